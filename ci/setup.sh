@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Creates .venv with Python 3.12 (via pyenv when present) and installs flashlax with its test and bench extras.
+# Idempotent: a second run only re-checks the install.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ ! -x .venv/bin/python ]; then
+  py=""
+  for cand in "$(command -v pyenv >/dev/null 2>&1 && PYENV_VERSION=3.12.1 pyenv which python3.12 2>/dev/null)" \
+              "$HOME/.pyenv/versions/3.12.1/bin/python3.12" "$(command -v python3.12 || true)" "$(command -v python3 || true)"; do
+    if [ -n "$cand" ] && [ -x "$cand" ] && "$cand" -c 'import sys; sys.exit(sys.version_info < (3, 12))'; then py="$cand"; break; fi
+  done
+  [ -n "$py" ] || { echo "ci/setup.sh: no Python >= 3.12 found (pyenv 3.12.1 expected)" >&2; exit 1; }
+  "$py" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -e '.[test,bench]'
