@@ -28,7 +28,7 @@ class Impl:
 
     name: str
     kind: str
-    target: str
+    target: str | None  # None: registered in the contract but not written yet
     note: str = ""
 
 
@@ -49,7 +49,7 @@ TABLE: dict[str, dict[str, Impl]] = {
         "recurrent": Impl("recurrent", "xla", f"{_F}.linear:gated_delta_rule_recurrent"),
         "chunked": Impl("chunked", "xla", f"{_F}.linear:gated_delta_rule_chunked"),
         "chunked_fat": Impl("chunked_fat", "xla", f"{_F}.linear:gated_delta_rule_chunked_fat"),
-        "ssd": Impl("ssd", "pallas", f"{_K}.ssd:gated_delta_rule_ssd"),
+        "ssd": Impl("ssd", "pallas", None, "Pallas SSD kernel: not written yet; GPU default is chunked"),
     },
 }
 
@@ -80,7 +80,8 @@ def available_impls(op: str, backend: str | None = None) -> tuple[str, ...]:
     """
     impls = _check_op(op)
     family = backend_family(backend)
-    return tuple(name for name, impl in impls.items() if impl.kind == "xla" or family == "gpu")
+    return tuple(name for name, impl in impls.items()
+                 if impl.target is not None and (impl.kind == "xla" or family == "gpu"))
 
 
 def default_impl(op: str, backend: str | None = None) -> str:
@@ -106,5 +107,7 @@ def resolve(op: str, impl: str | None, *, interpret: bool = False,
     """Returns ``(Impl, function)`` for ``op``; raises ValueError/RuntimeError as the contract says."""
     name = resolve_name(op, impl, interpret=interpret, backend=backend)
     entry = TABLE[op][name]
+    if entry.target is None:
+        raise RuntimeError(f"{name} is not implemented yet in this version of flashlax ({entry.note}).")
     module, _, attr = entry.target.partition(":")
     return entry, getattr(importlib.import_module(module), attr)
