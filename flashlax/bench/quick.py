@@ -1,0 +1,182 @@
+"""``--quick``: the project's main job (ci/main.sh). All three ops at small shapes on the present backend:
+every implementation's error against the float64 reference (forward and gradients) and a short timing
+table; on a GPU machine also the GPU-vs-CPU parity (the same inputs through the GPU kernels and through
+the CPU fallbacks on ``jax.devices('cpu')``). On CPU, Pallas kernels run in the Pallas interpreter
+(``interpret=True``) so their numerics are checked too (``--no-interpret`` skips them).
+
+Exit status 1 when an implementation that ran has an error above the tolerance (or parity fails); error
+rows of implementations that are unavailable here (``RuntimeError``, ``NotImplementedError``) are listed
+but do not fail the job.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import flashlax
+from flashlax import dispatch, masks
+from flashlax.bench import harness, report, suites
+
+# Smoke-test bounds on rel_err against float64: 10x the test suite's table (tests/conftest.py TOLERANCES),
+# since these are single random draws at shapes that are not multiples of any block or chunk.
+TOLERANCE = {"float32": 1e-4, "float16": 5e-2, "bfloat16": 3e-1}
+
+LINEAR = dict(batch=[1], heads=[2], seq_lens=[200], dims=[32], dtypes=["float32"], chunk_sizes=[64],
+              modes=["fwd", "fwd_bwd"], ref_max_seq=10**9, max_recurrent_seq=10**9)
+GQA = dict(batch=[1], heads=[4], kv_heads=[2], seq_lens=[200], dims=[32], dtypes=["float32"],
+           modes=["fwd", "fwd_bwd"], masks=["causal", "full"], ref_max_seq=10**9)
+DECODE = dict(batch=[2], heads=[4], kv_heads=[2], q_lens=[1, 3], kv_lens=[1000], dims=[32], dtypes=["float32"],
+              modes=["fwd"], ref_max_seq=10**9)
+
+
+def _impls(op: str, prefix: str, gpu: bool, interpret: bool) -> list[str]:
+    names = [name for name, entry in dispatch.TABLE[op].items() if entry.kind == "xla" or gpu or interpret]
+    return [prefix + name for name in names]
+
+
+def configs(gpu: bool, interpret: bool, torch_available: bool) -> dict[str, dict[str, Any]]:
+    peers = ["jax_xla"] + (["jax_cudnn"] if gpu else []) + (["torch_sdpa"] if torch_available else [])
+    common = dict(repeats=3, min_sample_s=0.01, max_dense_gb=4.0, ref_dtype="float64", interpret=interpret)
+    return {
+        "linear": dict(LINEAR, impls=_impls("gated_delta_rule", "", gpu, interpret), **common),
+        "gqa": dict(GQA, impls=_impls("flex_attention", "flex_", gpu, interpret) + peers, **common),
+        "decode": dict(DECODE, impls=_impls("decode_attention", "decode_", gpu, interpret) + ["flex_repeat"] + peers,
+                       **common),
+    }
+
+
+def _verdict(row: dict) -> str:
+    if "error" in row:
+        unavailable = row["error"].startswith(("RuntimeError", "NotImplementedError"))
+        return "unavailable" if unavailable else "FAIL"
+    err = row.get("rel_err")
+    if not isinstance(err, float):
+        return "FAIL" if err is not None else "no ref"
+    return "ok" if err <= TOLERANCE[row["dtype"]] else "FAIL"
+
+
+def error_table(rows: list[dict]) -> str:
+    lines = ["| op | impl | shape | mode | rel_err out | rel_err grads (max) | median ms | verdict |",
+             "|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        impl = row["impl"] + (" (interpret)" if row.get("interpret") else "")
+        if "error" in row:
+            lines.append(f"| {row['suite']} | {impl} | {report.shape_label(row)} | {row['mode']} | "
+                         f"{row['error']} | | | {_verdict(row)} |")
+            continue
+        grads = row.get("rel_err_grads") or {}
+        grad_max = max(grads.values()) if grads else None
+        out_err = row.get("rel_err") if not grads else None
+        lines.append(f"| {row['suite']} | {impl} | {report.shape_label(row)} | {row['mode']} | "
+                     f"{report._fmt_err(out_err if out_err is not None else row.get('rel_err'))} | "
+                     f"{report._fmt_err(grad_max)} | {report._fmt_ms(row.get('median_ms'))} | {_verdict(row)} |")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# GPU-vs-CPU parity
+
+
+def _parity_cases():
+    """(op, fn(impl, *inputs) -> out, inputs, differentiable) at small shapes, float32."""
+    lin = suites.linear_inputs(7, 1, 2, 300, 64, 64, jnp.float32)
+    att = suites.attention_inputs(7, 1, 8, 2, 300, 300, 64, jnp.float32)
+    dec = suites.attention_inputs(7, 2, 8, 2, 4, 2000, 64, jnp.float32)
+    return [
+        ("gated_delta_rule", lambda impl, q, k, v, a, b: flashlax.gated_delta_rule(q, k, v, a, b, impl=impl),
+         lin[:5], lin[5]),
+        ("flex_attention", lambda impl, q, k, v: flashlax.flex_attention(q, k, v, mask_mod=masks.causal, impl=impl),
+         att[:3], att[3]),
+        ("decode_attention", lambda impl, q, k, v: flashlax.decode_attention(q, k, v, impl=impl), dec[:3], None),
+    ]
+
+
+def _run_on(device, fn, impl, inputs, cot):
+    inputs = [jax.device_put(x, device) for x in inputs]
+    with jax.default_device(device):
+        call = jax.jit(lambda *xs: fn(impl, *xs))
+        if cot is None:
+            return np.asarray(call(*inputs)), None
+        out, vjp = jax.vjp(call, *inputs)
+        grads = vjp(jax.device_put(cot, device))
+        return np.asarray(out), [np.asarray(g) for g in grads]
+
+
+def parity(gpu_device, cpu_device) -> list[dict]:
+    rows = []
+    for op, fn, inputs, cot in _parity_cases():
+        gpu_impl = dispatch.default_impl(op, "gpu")
+        cpu_impl = dispatch.default_impl(op, "cpu")
+        row: dict[str, Any] = {"op": op, "gpu_impl": gpu_impl, "cpu_impl": cpu_impl}
+        try:
+            gpu_out, gpu_grads = _run_on(gpu_device, fn, gpu_impl, inputs, cot)
+            cpu_out, cpu_grads = _run_on(cpu_device, fn, cpu_impl, inputs, cot)
+            row["rel_diff"] = harness.rel_err(gpu_out, cpu_out)
+            if gpu_grads is not None:
+                row["rel_diff_grads"] = max(harness.rel_err(g, c) for g, c in zip(gpu_grads, cpu_grads))
+        except Exception as exc:
+            row["error"] = harness.error_text(exc)
+        rows.append(row)
+    return rows
+
+
+def parity_table(rows: list[dict]) -> str:
+    lines = ["| op | GPU impl | CPU impl | rel diff out | rel diff grads (max) | verdict |", "|---|---|---|---|---|---|"]
+    for row in rows:
+        if "error" in row:
+            lines.append(f"| {row['op']} | {row['gpu_impl']} | {row['cpu_impl']} | {row['error']} | | "
+                         f"{'unavailable' if row['error'].startswith(('RuntimeError', 'NotImplementedError')) else 'FAIL'} |")
+            continue
+        worst = max(row["rel_diff"], row.get("rel_diff_grads", 0.0))
+        lines.append(f"| {row['op']} | {row['gpu_impl']} | {row['cpu_impl']} | {row['rel_diff']:.1e} | "
+                     f"{report._fmt_err(row.get('rel_diff_grads'))} | "
+                     f"{'ok' if worst <= TOLERANCE['float32'] else 'FAIL'} |")
+    return "\n".join(lines)
+
+
+def main(args) -> int:
+    from flashlax.bench import cli  # noqa: PLC0415
+
+    start = time.perf_counter()
+    gpu = harness.on_gpu()
+    info = harness.device_info()
+    interpret = not getattr(args, "no_interpret", False)
+    torch_available = harness.torch_module() is not None
+    print(f"flashlax quick check on {info['backend']} ({info['gpu'] or info['device_kind']}), jax {info['jax']}, "
+          f"torch {info['torch']}", flush=True)
+    if not torch_available:
+        print("torch is not installed: no torch_sdpa rows.", flush=True)
+    rows: list[dict] = []
+    for suite, cfg in configs(gpu, interpret, torch_available).items():
+        print(f"[{suite}]", file=sys.stderr, flush=True)
+        rows.extend(suites.run_suite(suite, cfg))
+    parity_rows = []
+    if gpu:
+        parity_rows = parity(jax.devices()[0], jax.devices("cpu")[0])
+    print("\n## Error against the float64 reference, and timings\n")
+    print(error_table(rows))
+    print("\n## Timing (median ms, x fastest peer)\n")
+    print(report.summary_table([r for r in rows if "error" not in r]))
+    if gpu:
+        print("\n## GPU vs CPU parity (same inputs; GPU default impl vs CPU fallback, float32)\n")
+        print(parity_table(parity_rows))
+    failed = [r for r in rows if _verdict(r) == "FAIL"] + [
+        r for r in parity_rows if ("error" in r and not r["error"].startswith(("RuntimeError", "NotImplementedError")))
+        or max(r.get("rel_diff", 0.0), r.get("rel_diff_grads", 0.0)) > TOLERANCE["float32"]]
+    if getattr(args, "output", None):
+        cli.write({"device": info, "config": {"quick": True, "interpret": interpret,
+                                              "suites": configs(gpu, interpret, torch_available)},
+                   "results": rows, "parity": parity_rows}, args.output)
+    print(f"\n{len(rows)} rows, {len(failed)} failing, {time.perf_counter() - start:.0f} s")
+    if failed:
+        print("FAILED: " + json.dumps([{k: r.get(k) for k in ("suite", "op", "impl", "mode", "rel_err", "error")
+                                         if k in r} for r in failed]))
+        return 1
+    return 0
