@@ -1,6 +1,76 @@
-"""Front end of decode_attention (STUB, being written)."""
+"""Front end of decode_attention: validates, then asks the dispatcher for an implementation."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flashlax import dispatch
+from flashlax.attention import check_mods, resolve_scale
+
+MAX_NEW_TOKENS = 16
 
 
-def decode_attention(q, k_cache, v_cache, *, kv_lens=None, scale=None, num_splits=None, score_mod=None,
-                     mask_mod=None, return_lse=False, impl=None, interpret=False):
-    raise NotImplementedError("decode_attention: not written yet")
+def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, *, kv_lens: jax.Array | None = None,
+                     scale: float | None = None, num_splits: int | None = None, score_mod: Callable | None = None,
+                     mask_mod: Callable | None = None, return_lse: bool = False, impl: str | None = None,
+                     interpret: bool = False):
+    """Attention of 1..16 new tokens against a KV cache (split-KV flash decoding).
+
+    q: [B, Hq, Lq, D] with 1 <= Lq <= 16; k_cache: [B, Hkv, Lmax, D]; v_cache: [B, Hkv, Lmax, Dv];
+    kv_lens: int32 [B] valid cache lengths including the new tokens (default Lmax). New token i sits at
+    position kv_lens - Lq + i and sees cache positions <= its own (mods get that position as q_idx).
+    num_splits: parts of the cache reduced in parallel and merged by log-sum-exp (None: chosen from the
+    shape and the device). Returns out [B, Hq, Lq, Dv] in q's dtype (and lse [B, Hq, Lq] float32).
+    Changing kv_lens values never recompiles; cache rows past kv_lens are never used.
+    """
+    op = "decode_attention"
+    q, k_cache, v_cache = jnp.asarray(q), jnp.asarray(k_cache), jnp.asarray(v_cache)
+    shapes = f"q={tuple(q.shape)}, k_cache={tuple(k_cache.shape)}, v_cache={tuple(v_cache.shape)}"
+    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if x.ndim != 4:
+            raise ValueError(f"{op}: {name} must be 4-D [B, H, L, D] (got {shapes})")
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"{op}: {name} must be a floating dtype, got {x.dtype}")
+    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+        raise ValueError(f"{op}: q, k_cache and v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, "
+                         f"{v_cache.dtype}")
+    batch, q_heads, q_len, head_dim = q.shape
+    if not (k_cache.shape[0] == v_cache.shape[0] == batch):
+        raise ValueError(f"{op}: batch sizes of q, k_cache and v_cache differ (got {shapes})")
+    if not 1 <= q_len <= MAX_NEW_TOKENS:
+        raise ValueError(f"{op}: q must hold 1..{MAX_NEW_TOKENS} new tokens, got Lq={q_len} (got {shapes})")
+    if k_cache.shape[:3] != v_cache.shape[:3]:
+        raise ValueError(f"{op}: k_cache and v_cache must agree in [B, Hkv, Lmax] (got {shapes})")
+    kv_heads, max_len = k_cache.shape[1], k_cache.shape[2]
+    if q_heads % kv_heads:
+        raise ValueError(f"{op}: query heads Hq={q_heads} must be a multiple of cache heads Hkv={kv_heads} "
+                         f"(got {shapes})")
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"{op}: head dims of q (D={head_dim}) and k_cache (D={k_cache.shape[3]}) differ "
+                         f"(got {shapes})")
+    if max_len < q_len:
+        raise ValueError(f"{op}: cache length Lmax={max_len} is shorter than the Lq={q_len} new tokens "
+                         f"(got {shapes})")
+    check_mods(op, score_mod, mask_mod)
+    if kv_lens is None:
+        kv_lens = jnp.full((batch,), max_len, jnp.int32)
+    else:
+        kv_lens = jnp.asarray(kv_lens)
+        if kv_lens.shape != (batch,) or kv_lens.dtype != jnp.int32:
+            raise ValueError(f"{op}: kv_lens must be int32 [B={batch}], got {kv_lens.dtype} {kv_lens.shape}")
+        if not isinstance(kv_lens, jax.core.Tracer):
+            lens = np.asarray(kv_lens)
+            if lens.min() < q_len or lens.max() > max_len:
+                raise ValueError(f"{op}: kv_lens must lie in [Lq={q_len}, Lmax={max_len}] (they include the new "
+                                 f"tokens), got {lens.tolist()}")
+    if num_splits is not None and (not isinstance(num_splits, (int, np.integer)) or isinstance(num_splits, bool)
+                                   or not 1 <= num_splits <= max_len):
+        raise ValueError(f"{op}: num_splits must be None or an int in [1, Lmax={max_len}], got {num_splits!r}")
+    scale = resolve_scale(op, scale, head_dim)
+    _, fn = dispatch.resolve(op, impl, interpret=interpret)
+    return fn(q, k_cache, v_cache, kv_lens=kv_lens, scale=scale, num_splits=num_splits, score_mod=score_mod,
+              mask_mod=mask_mod, return_lse=bool(return_lse), interpret=interpret)

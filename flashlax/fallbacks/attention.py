@@ -1,0 +1,487 @@
+"""Softmax attention in pure XLA: blockwise online softmax (flash attention written in XLA) and the
+K/V-repeat baseline.
+
+``flex_attention_xla`` works on tiles: ``block_q`` query rows of all ``G = Hq // Hkv`` query heads of a KV
+group are folded into one ``[G * block_q, D]`` matrix, so each matmul against a ``[block_kv, D]`` K/V tile
+is large and K/V are never repeated. For each query tile a loop visits only the non-empty kv tiles (from
+the tile classification of the mask) and evaluates ``mask_mod`` only on partial ones. Memory is linear in
+the sequence length. The backward pass (FlashAttention-2) recomputes probabilities tile by tile from the
+saved log-sum-exp and accumulates dK/dV in place.
+
+Ragged lengths are handled without padding: all tiles have the same shape and the last tile of each
+axis is shifted back to end at the sequence end (``start = min(t * block, L - block)``). Columns that
+the last kv tile shares with the previous one are masked out; rows that the last query tile shares with
+the previous one are recomputed (identical values) and dropped when the tiles are assembled. Fixed tile
+shapes also mean each mod is traced once, so its captured arrays can be hoisted into explicit
+arguments of the custom_vjp (gradients flow to a bias table captured by ``score_mod``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from flashlax import masks as masks_lib
+
+F32 = jnp.float32
+NEG_INF = -jnp.inf
+
+# CPU-friendly tile sizes: G * block_q query rows against block_kv keys keep each matmul large.
+DEFAULT_BLOCK_Q = 256
+DEFAULT_BLOCK_KV = 512
+DEFAULT_ROWS = 1024  # target G * block_q
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def tile_size(length: int, preferred: int, multiple: int = 8) -> int:
+    """Tile size <= preferred that covers ``length`` with as few, evenly sized tiles as possible."""
+    n = _cdiv(length, max(1, preferred))
+    size = _cdiv(_cdiv(length, n), multiple) * multiple
+    return max(1, min(size, length))
+
+
+def tile_bounds(length: int, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(starts, lows) int32 [n]: tile t covers [starts[t], starts[t] + size); rows below lows[t] belong
+    to the previous tile (only the last tile is shifted back, so that no tile runs past ``length``)."""
+    n = _cdiv(length, size)
+    lows = np.arange(n, dtype=np.int64) * size
+    starts = np.minimum(lows, length - size)
+    return starts.astype(np.int32), lows.astype(np.int32)
+
+
+def precision_for(dtype) -> lax.Precision:
+    """float32 inputs are computed in full float32 (no silent tf32/bf16 passes)."""
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
+
+
+# ----------------------------------------------------------------------------------------------------
+# Mods: traced once at the tile shape, captured arrays become explicit arguments
+# ----------------------------------------------------------------------------------------------------
+
+def convert_mod(mod: Callable | None, *example_args) -> tuple[Callable | None, tuple]:
+    """Traces ``mod`` at the example shapes; returns ``(fn(consts, *args), consts)`` where ``consts`` are
+    every array the mod captured (concrete or traced). Call ``fn`` only with the example shapes."""
+    if mod is None:
+        return None, ()
+    closed = jax.make_jaxpr(mod)(*example_args)
+    jaxpr = closed.jaxpr
+
+    def converted(consts, *args):
+        return jax.core.eval_jaxpr(jaxpr, list(consts), *args)[0]
+
+    return converted, tuple(closed.consts)
+
+
+def is_float(x) -> bool:
+    return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def zero_cotangent(x):
+    """Cotangent for an argument that gets no gradient: zeros, float0 for integer/bool arrays."""
+    x = jnp.asarray(x) if not hasattr(x, "dtype") else x
+    if is_float(x):
+        return jnp.zeros(x.shape, x.dtype)
+    return np.zeros(x.shape, dtype=jax.dtypes.float0)
+
+
+def mask_extent(mask_mod: Callable, batch: int, heads: int) -> tuple[int | None, int | None]:
+    """(B or None, H or None): whether ``mask_mod``'s output varies with b / h (from its traced shape)."""
+    i32 = jnp.int32
+    shape = jax.make_jaxpr(mask_mod, return_shape=True)(
+        jax.ShapeDtypeStruct((batch, 1, 1, 1), i32), jax.ShapeDtypeStruct((1, heads, 1, 1), i32),
+        jax.ShapeDtypeStruct((1, 1, 1, 1), i32), jax.ShapeDtypeStruct((1, 1, 1, 1), i32))[1].shape
+    shape = (1,) * (4 - len(shape)) + tuple(shape)
+    return (batch if shape[0] > 1 else None), (heads if shape[1] > 1 else None)
+
+
+def mask_mod_from_kinds(block_mask: masks_lib.BlockMask) -> Callable:
+    """A mask_mod for a BlockMask without one: allowed exactly where the tile is FULL (as to_dense)."""
+    kinds = block_mask.tile_kinds
+    bm, hm = kinds.shape[:2]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return kinds[b if bm > 1 else 0, h if hm > 1 else 0,
+                     q_idx // block_mask.block_q, kv_idx // block_mask.block_kv] == masks_lib.FULL
+
+    return mask_mod
+
+
+# ----------------------------------------------------------------------------------------------------
+# Tile schedule: which kv tiles each query tile visits, and which of them need the mask
+# ----------------------------------------------------------------------------------------------------
+
+def _coverage(length: int, size: int, grid: int, dedupe: bool) -> np.ndarray:
+    """float32 [n_tiles, n_grid]: 1 where our tile overlaps a grid tile of the block mask."""
+    starts, lows = tile_bounds(length, size)
+    first = lows if dedupe else starts
+    ends = np.minimum(starts + size, length)
+    n_grid = _cdiv(length, grid)
+    g_lo = np.arange(n_grid) * grid
+    g_hi = np.minimum(g_lo + grid, length)
+    return ((first[:, None] < g_hi[None, :]) & (g_lo[None, :] < ends[:, None])).astype(np.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """Per query tile: ``count`` kv tiles to visit, their indices ``kv_tiles`` (ascending, then padding)
+    and ``masked[i, j]`` (evaluate the mask on tile (i, j)). int32/bool arrays, possibly traced."""
+
+    count: jax.Array
+    kv_tiles: jax.Array
+    masked: jax.Array
+
+
+def build_schedule(block_mask: masks_lib.BlockMask | None, lq: int, lkv: int, block_q: int,
+                   block_kv: int) -> Schedule:
+    nq, nkv = _cdiv(lq, block_q), _cdiv(lkv, block_kv)
+    ragged_col = np.zeros((nq, nkv), bool)
+    if lkv % block_kv:
+        ragged_col[:, -1] = True  # the shifted last kv tile masks the columns it shares
+    if block_mask is None:
+        return Schedule(jnp.full((nq,), nkv, jnp.int32),
+                        jnp.broadcast_to(jnp.arange(nkv, dtype=jnp.int32), (nq, nkv)),
+                        jnp.asarray(ragged_col))
+    kinds = block_mask.tile_kinds
+    not_empty = (kinds != masks_lib.EMPTY).any((0, 1)).astype(F32)  # over batch and heads
+    not_full = (kinds != masks_lib.FULL).any((0, 1)).astype(F32)
+    cq = jnp.asarray(_coverage(lq, block_q, block_mask.block_q, dedupe=False))
+    ck = jnp.asarray(_coverage(lkv, block_kv, block_mask.block_kv, dedupe=True))
+    hp = lax.Precision.HIGHEST
+    visit = jnp.matmul(jnp.matmul(cq, not_empty, precision=hp), ck.T, precision=hp) > 0
+    partial = jnp.matmul(jnp.matmul(cq, not_full, precision=hp), ck.T, precision=hp) > 0
+    count, order = masks_lib._indices_of(visit)
+    return Schedule(count, order, partial | jnp.asarray(ragged_col))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Blockwise attention with a custom_vjp
+# ----------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    batch: int
+    kv_heads: int
+    groups: int
+    q_len: int
+    kv_len: int
+    block_q: int
+    block_kv: int
+    scale: float
+    precision: lax.Precision
+    score_fn: Callable | None
+    mask_fn: Callable | None
+    may_mask: bool  # some tile needs masking (static): otherwise skip the lax.cond
+
+    @property
+    def rows(self) -> int:
+        return self.groups * self.block_q
+
+
+def _tile_indices(spec: _Spec, q_start, kv_start):
+    """b, h (query head), q_idx, kv_idx broadcastable to the [B, Hkv, G, block_q, block_kv] tile."""
+    i32 = jnp.int32
+    b = jnp.arange(spec.batch, dtype=i32).reshape(-1, 1, 1, 1, 1)
+    h = jnp.arange(spec.kv_heads * spec.groups, dtype=i32).reshape(1, spec.kv_heads, spec.groups, 1, 1)
+    q_idx = (q_start + jnp.arange(spec.block_q, dtype=i32)).reshape(1, 1, 1, -1, 1)
+    kv_idx = (kv_start + jnp.arange(spec.block_kv, dtype=i32)).reshape(1, 1, 1, 1, -1)
+    return b, h, q_idx, kv_idx
+
+
+def _tile_shape(spec: _Spec) -> tuple[int, ...]:
+    return (spec.batch, spec.kv_heads, spec.groups, spec.block_q, spec.block_kv)
+
+
+def _raw_scores(spec: _Spec, q_t, k_t):
+    """scale * q.k for one tile: [B, Hkv, G*bq, D] x [B, Hkv, bk, D] -> [B, Hkv, G*bq, bk] float32."""
+    s = jnp.einsum("bhmd,bhkd->bhmk", q_t, k_t, precision=spec.precision, preferred_element_type=F32)
+    return s * spec.scale
+
+
+def _apply_score_mod(spec: _Spec, s, score_consts, idx):
+    if spec.score_fn is None:
+        return s
+    s5 = s.reshape(_tile_shape(spec))
+    out = spec.score_fn(score_consts, s5, *idx)
+    return jnp.broadcast_to(out, s5.shape).astype(F32).reshape(s.shape)
+
+
+def _apply_mask(spec: _Spec, s, mask_consts, idx, kv_low):
+    """-inf where the mask (or the shared-column rule of the shifted last kv tile) forbids."""
+    b, h, q_idx, kv_idx = idx
+    allowed = kv_idx >= kv_low
+    if spec.mask_fn is not None:
+        allowed = allowed & spec.mask_fn(mask_consts, b, h, q_idx, kv_idx)
+    allowed = jnp.broadcast_to(allowed, _tile_shape(spec)).reshape(s.shape)
+    return jnp.where(allowed, s, NEG_INF)
+
+
+def _q_tile(spec: _Spec, x, start, width):
+    """[B, Hkv, G, L, W] -> rows start..start+bq folded to [B, Hkv, G*bq, W]."""
+    t = lax.dynamic_slice_in_dim(x, start, spec.block_q, axis=3)
+    return t.reshape(spec.batch, spec.kv_heads, spec.rows, width)
+
+
+def _assemble(tiles, length: int, block: int):
+    """[n, B, Hkv, G, block, ...] per-tile results -> [B, Hkv, G, length, ...] (shifted last tile)."""
+    n = tiles.shape[0]
+    moved = jnp.moveaxis(tiles, 0, 3)  # [B, Hkv, G, n, block, ...]
+    head = moved[:, :, :, : n - 1].reshape(moved.shape[:3] + ((n - 1) * block,) + moved.shape[5:])
+    if length == n * block:
+        return moved.reshape(moved.shape[:3] + (length,) + moved.shape[5:])
+    tail = moved[:, :, :, n - 1, block - (length - (n - 1) * block):]
+    return jnp.concatenate([head, tail], axis=3)
+
+
+def _forward(spec: _Spec, q, k, v, score_consts, mask_consts, sched: Schedule):
+    """q [B, Hkv, G, Lq, D], k [B, Hkv, Lkv, D], v [B, Hkv, Lkv, Dv] -> out [B, Hkv, G, Lq, Dv], lse f32."""
+    bsz, hkv, m_rows, dv = spec.batch, spec.kv_heads, spec.rows, v.shape[-1]
+    q_starts, _ = tile_bounds(spec.q_len, spec.block_q)
+    kv_starts, kv_lows = tile_bounds(spec.kv_len, spec.block_kv)
+    q_starts, kv_starts, kv_lows = map(jnp.asarray, (q_starts, kv_starts, kv_lows))
+
+    def q_tile(i):
+        q_start = q_starts[i]
+        q_t = _q_tile(spec, q, q_start, q.shape[-1])
+
+        def kv_step(t, carry):
+            m, l, acc = carry
+            j = sched.kv_tiles[i, t]
+            kv_start = kv_starts[j]
+            k_t = lax.dynamic_slice_in_dim(k, kv_start, spec.block_kv, axis=2)
+            v_t = lax.dynamic_slice_in_dim(v, kv_start, spec.block_kv, axis=2)
+            idx = _tile_indices(spec, q_start, kv_start)
+
+            def update(masked: bool):
+                s = _apply_score_mod(spec, _raw_scores(spec, q_t, k_t), score_consts, idx)
+                if masked:
+                    s = _apply_mask(spec, s, mask_consts, idx, kv_lows[j])
+                m_new = jnp.maximum(m, s.max(-1))
+                # A row with nothing allowed yet keeps m = -inf; subtracting 0 instead keeps exp() at 0.
+                m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
+                p = jnp.exp(s - m_safe[..., None])
+                alpha = jnp.exp(m - m_safe)
+                pv = jnp.einsum("bhmk,bhkd->bhmd", p.astype(v.dtype), v_t, precision=spec.precision,
+                                preferred_element_type=F32)
+                return m_new, alpha * l + p.sum(-1), alpha[..., None] * acc + pv
+
+            if not spec.may_mask:
+                return update(False)
+            return lax.cond(sched.masked[i, j], lambda: update(True), lambda: update(False))
+
+        init = (jnp.full((bsz, hkv, m_rows), NEG_INF, F32), jnp.zeros((bsz, hkv, m_rows), F32),
+                jnp.zeros((bsz, hkv, m_rows, dv), F32))
+        m, l, acc = lax.fori_loop(0, sched.count[i], kv_step, init)
+        has_any = l > 0
+        out = acc / jnp.where(has_any, l, 1.0)[..., None]  # fully masked rows: 0
+        lse = jnp.where(has_any, m + jnp.log(jnp.where(has_any, l, 1.0)), NEG_INF)
+        shape = (bsz, hkv, spec.groups, spec.block_q)
+        return out.astype(q.dtype).reshape(shape + (dv,)), lse.reshape(shape)
+
+    outs, lses = lax.map(q_tile, jnp.arange(len(q_starts), dtype=jnp.int32))
+    return _assemble(outs, spec.q_len, spec.block_q), _assemble(lses, spec.q_len, spec.block_q)
+
+
+def _backward(spec: _Spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, sched: Schedule):
+    """FlashAttention-2 backward: dS = P * (dP - delta), delta = rowsum(dO * O) - dlse."""
+    bsz, hkv, m_rows = spec.batch, spec.kv_heads, spec.rows
+    d, dv = q.shape[-1], v.shape[-1]
+    q_starts, q_lows = tile_bounds(spec.q_len, spec.block_q)
+    kv_starts, kv_lows = tile_bounds(spec.kv_len, spec.block_kv)
+    q_starts, q_lows, kv_starts, kv_lows = map(jnp.asarray, (q_starts, q_lows, kv_starts, kv_lows))
+    delta = jnp.sum(dout.astype(F32) * out.astype(F32), -1) - dlse
+    lse_safe = jnp.where(jnp.isfinite(lse), lse, 0.0)  # fully masked rows: every s is -inf, p stays 0
+    float_pos = [n for n, c in enumerate(score_consts) if is_float(c)]
+
+    def with_float(fconsts):
+        merged = list(score_consts)
+        for n, c in zip(float_pos, fconsts):
+            merged[n] = c
+        return tuple(merged)
+
+    def q_tile(carry, i):
+        dk_acc, dv_acc, dc_acc = carry
+        q_start = q_starts[i]
+        # Rows shared with the previous tile get dO = 0, so they add nothing to dK, dV, dbias.
+        row_ok = (q_start + jnp.arange(spec.block_q) >= q_lows[i]).reshape(1, 1, 1, -1, 1)
+        q_t = _q_tile(spec, q, q_start, d)
+        do5 = lax.dynamic_slice_in_dim(dout, q_start, spec.block_q, axis=3)
+        do_t = jnp.where(row_ok, do5, 0).reshape(bsz, hkv, m_rows, dv)
+        lse_t = _q_tile(spec, lse_safe[..., None], q_start, 1)[..., 0]
+        delta_t = jnp.where(row_ok[..., 0], lax.dynamic_slice_in_dim(delta, q_start, spec.block_q, axis=3),
+                            0.0).reshape(bsz, hkv, m_rows)
+
+        def kv_step(t, c):
+            dq_t, dk_acc, dv_acc, dc = c
+            j = sched.kv_tiles[i, t]
+            kv_start = kv_starts[j]
+            k_t = lax.dynamic_slice_in_dim(k, kv_start, spec.block_kv, axis=2)
+            v_t = lax.dynamic_slice_in_dim(v, kv_start, spec.block_kv, axis=2)
+            idx = _tile_indices(spec, q_start, kv_start)
+
+            def grads(masked: bool):
+                s_raw = _raw_scores(spec, q_t, k_t)
+                fconsts = tuple(score_consts[n] for n in float_pos)
+                if spec.score_fn is not None:
+                    s, mod_vjp = jax.vjp(lambda s_, fc: _apply_score_mod(spec, s_, with_float(fc), idx),
+                                         s_raw, fconsts)
+                else:
+                    s = s_raw
+                if masked:
+                    s = _apply_mask(spec, s, mask_consts, idx, kv_lows[j])
+                p = jnp.exp(s - lse_t[..., None])
+                dv_c = jnp.einsum("bhmk,bhmd->bhkd", p.astype(dout.dtype), do_t, precision=spec.precision,
+                                  preferred_element_type=F32)
+                dp = jnp.einsum("bhmd,bhkd->bhmk", do_t, v_t, precision=spec.precision,
+                                preferred_element_type=F32)
+                ds = p * (dp - delta_t[..., None])  # 0 wherever p is 0 (masked), so the mask needs no vjp
+                if spec.score_fn is not None:
+                    ds, dfc = mod_vjp(ds)
+                else:
+                    dfc = ()
+                ds = ds * spec.scale
+                dq_c = jnp.einsum("bhmk,bhkd->bhmd", ds.astype(k.dtype), k_t, precision=spec.precision,
+                                  preferred_element_type=F32)
+                dk_c = jnp.einsum("bhmk,bhmd->bhkd", ds.astype(q.dtype), q_t, precision=spec.precision,
+                                  preferred_element_type=F32)
+                return dq_c, dk_c, dv_c, tuple(g.astype(F32) for g in dfc)
+
+            if not spec.may_mask:
+                dq_c, dk_c, dv_c, dfc = grads(False)
+            else:
+                dq_c, dk_c, dv_c, dfc = lax.cond(sched.masked[i, j], lambda: grads(True), lambda: grads(False))
+
+            def add_at(acc, upd):
+                cur = lax.dynamic_slice_in_dim(acc, kv_start, spec.block_kv, axis=2)
+                return lax.dynamic_update_slice_in_dim(acc, cur + upd, kv_start, axis=2)
+
+            return (dq_t + dq_c, add_at(dk_acc, dk_c), add_at(dv_acc, dv_c),
+                    tuple(a + g for a, g in zip(dc, dfc)))
+
+        init = (jnp.zeros((bsz, hkv, m_rows, d), F32), dk_acc, dv_acc, dc_acc)
+        dq_t, dk_acc, dv_acc, dc_acc = lax.fori_loop(0, sched.count[i], kv_step, init)
+        return (dk_acc, dv_acc, dc_acc), dq_t.reshape(bsz, hkv, spec.groups, spec.block_q, d)
+
+    dc0 = tuple(jnp.zeros(score_consts[n].shape, F32) for n in float_pos)
+    init = (jnp.zeros(k.shape, F32), jnp.zeros(v.shape, F32), dc0)
+    (dk, dv_, dc), dq_tiles = lax.scan(q_tile, init, jnp.arange(len(q_starts), dtype=jnp.int32))
+    dq = _assemble(dq_tiles, spec.q_len, spec.block_q)
+    d_score = [zero_cotangent(c) for c in score_consts]
+    for n, g in zip(float_pos, dc):
+        d_score[n] = g.astype(score_consts[n].dtype)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv_.astype(v.dtype), tuple(d_score)
+
+
+def _blockwise_attention(spec: _Spec, q, k, v, score_consts, mask_consts, sched: Schedule):
+    @jax.custom_vjp
+    def attend(q, k, v, score_consts, mask_consts, sched_arrays):
+        return _forward(spec, q, k, v, score_consts, mask_consts, Schedule(*sched_arrays))
+
+    def fwd(q, k, v, score_consts, mask_consts, sched_arrays):
+        out, lse = attend(q, k, v, score_consts, mask_consts, sched_arrays)
+        return (out, lse), (q, k, v, out, lse, score_consts, mask_consts, sched_arrays)
+
+    def bwd(res, cotangents):
+        q, k, v, out, lse, score_consts, mask_consts, sched_arrays = res
+        dout, dlse = cotangents
+        dq, dk, dv, d_score = _backward(spec, q, k, v, out, lse, dout, dlse.astype(F32), score_consts,
+                                        mask_consts, Schedule(*sched_arrays))
+        return (dq, dk, dv, d_score, tuple(map(zero_cotangent, mask_consts)),
+                tuple(map(zero_cotangent, sched_arrays)))
+
+    attend.defvjp(fwd, bwd)
+    return attend(q, k, v, tuple(score_consts), tuple(mask_consts),
+                  (sched.count, sched.kv_tiles, sched.masked))
+
+
+def flex_attention_xla(q, k, v, *, score_mod=None, mask_mod=None, block_mask=None, scale, return_lse=False,
+                       interpret=False, block_q: int | None = None, block_kv: int | None = None):
+    """Blockwise online-softmax attention in XLA (GQA native, memory linear in sequence length).
+
+    q: [B, Hq, Lq, D], k: [B, Hkv, Lkv, D], v: [B, Hkv, Lkv, Dv] -> out [B, Hq, Lq, Dv]
+    (and lse [B, Hq, Lq] float32 when ``return_lse``). ``interpret`` is ignored. ``block_q`` is the
+    number of rows per query head in a tile (G * block_q rows are processed together).
+    """
+    del interpret
+    bsz, hq, lq, d = q.shape
+    hkv, lkv, dv = k.shape[1], k.shape[2], v.shape[-1]
+    groups = hq // hkv
+    block_q = tile_size(lq, block_q or max(16, DEFAULT_ROWS // groups))
+    block_kv = tile_size(lkv, block_kv or DEFAULT_BLOCK_KV)
+    if mask_mod is None and block_mask is not None and block_mask.mask_mod is None:
+        mask_mod = mask_mod_from_kinds(block_mask)
+    if mask_mod is not None and block_mask is None:
+        bm, hm = mask_extent(mask_mod, bsz, hq)
+        block_mask = masks_lib.create_block_mask(mask_mod, bm, hm, lq, lkv, block_q=block_q, block_kv=block_kv)
+    sched = build_schedule(block_mask if mask_mod is not None else None, lq, lkv, block_q, block_kv)
+
+    tile5 = (bsz, hkv, groups, block_q, block_kv)
+    i32 = jnp.int32
+    example_idx = (jnp.zeros((bsz, 1, 1, 1, 1), i32), jnp.zeros((1, hkv, groups, 1, 1), i32),
+                   jnp.zeros((1, 1, 1, block_q, 1), i32), jnp.zeros((1, 1, 1, 1, block_kv), i32))
+    score_fn, score_consts = convert_mod(score_mod, jnp.zeros(tile5, F32), *example_idx)
+    mask_fn, mask_consts = convert_mod(mask_mod, *example_idx)
+    spec = _Spec(bsz, hkv, groups, lq, lkv, block_q, block_kv, float(scale), precision_for(q.dtype),
+                 score_fn, mask_fn, may_mask=mask_fn is not None or lkv % block_kv != 0)
+    q5 = q.reshape(bsz, hkv, groups, lq, d)
+    out, lse = _blockwise_attention(spec, q5, k, v, score_consts, mask_consts, sched)
+    out = out.reshape(bsz, hq, lq, dv)
+    return (out, lse.reshape(bsz, hq, lq)) if return_lse else out
+
+
+# ----------------------------------------------------------------------------------------------------
+# The K/V-repeat baseline
+# ----------------------------------------------------------------------------------------------------
+
+def dense_attention(q, k, v, *, score_mod=None, mask_mod=None, scale, precision=None):
+    """Materialised attention with the K/V heads given per query head: q, k, v [B, H, L*, D*].
+
+    Returns (out in q's dtype, lse f32). Fully masked rows: out 0, lse -inf, finite gradients.
+    """
+    precision = precision or precision_for(q.dtype)
+    bsz, heads, lq, _ = q.shape
+    lkv = k.shape[2]
+    s = jnp.einsum("bhqd,bhkd->bhqk", q, k, precision=precision, preferred_element_type=F32) * scale
+    i32 = jnp.int32
+    b = jnp.arange(bsz, dtype=i32)[:, None, None, None]
+    h = jnp.arange(heads, dtype=i32)[None, :, None, None]
+    q_idx = jnp.arange(lq, dtype=i32)[None, None, :, None]
+    kv_idx = jnp.arange(lkv, dtype=i32)[None, None, None, :]
+    if score_mod is not None:
+        s = jnp.broadcast_to(score_mod(s, b, h, q_idx, kv_idx), s.shape).astype(F32)
+    if mask_mod is not None:
+        s = jnp.where(jnp.broadcast_to(mask_mod(b, h, q_idx, kv_idx), s.shape), s, NEG_INF)
+    m = s.max(-1, keepdims=True)
+    m = lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+    e = jnp.exp(s - m)
+    l = e.sum(-1)
+    has_any = l > 0
+    l_safe = jnp.where(has_any, l, 1.0)
+    pv = jnp.einsum("bhqk,bhkd->bhqd", e.astype(v.dtype) if v.dtype != F32 else e, v, precision=precision,
+                    preferred_element_type=F32)
+    out = pv / l_safe[..., None]
+    lse = jnp.where(has_any, m[..., 0] + jnp.log(l_safe), NEG_INF)
+    return out.astype(q.dtype), lse
+
+
+def flex_attention_repeat(q, k, v, *, score_mod=None, mask_mod=None, block_mask=None, scale, return_lse=False,
+                          interpret=False):
+    """The old baseline: K/V repeated to Hq heads (jnp.repeat), then materialised attention.
+
+    q: [B, Hq, Lq, D], k: [B, Hkv, Lkv, D], v: [B, Hkv, Lkv, Dv]. Memory is quadratic in length.
+    """
+    del interpret
+    if mask_mod is None and block_mask is not None:
+        mask_mod = block_mask.mask_mod or mask_mod_from_kinds(block_mask)
+    groups = q.shape[1] // k.shape[1]
+    k_rep = jnp.repeat(k, groups, axis=1)
+    v_rep = jnp.repeat(v, groups, axis=1)
+    out, lse = dense_attention(q, k_rep, v_rep, score_mod=score_mod, mask_mod=mask_mod, scale=scale)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,109 @@
+"""Decode attention (a few new tokens against a KV cache) in pure XLA: split-KV flash decoding.
+
+The cache is cut into ``num_splits`` contiguous parts. All parts advance together, one ``block_kv``
+chunk per loop step (the split index is a batch dimension of the matmuls), each keeping its own online-
+softmax state; the parts are merged by log-sum-exp at the end. The ``G * Lq`` query rows of one KV group
+(G = Hq // Hkv query heads times Lq new tokens) form one matrix, so every K/V chunk is read once for the
+whole group. The loop runs only over chunks below ``max(kv_lens)``, a traced value, so changing kv_lens
+never recompiles and cache rows past kv_lens are never used (values there are zeroed before the P @ V
+product, so NaN garbage cannot leak).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from flashlax import dispatch
+from flashlax.fallbacks.attention import F32, NEG_INF, precision_for
+
+DEFAULT_BLOCK_KV = 4096  # cache rows per step and split on CPU: large reads, few loop steps
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def choose_num_splits(batch: int, kv_heads: int, max_len: int, backend: str | None = None) -> int:
+    """Splits for the shape and device: 1 on CPU (XLA already threads each matmul; more splits only add
+    merge work); on GPU enough parts to give ~128 independent (batch, head, split) groups, each >= 512
+    rows long."""
+    if dispatch.backend_family(backend) != "gpu":
+        return 1
+    want = _cdiv(128, batch * kv_heads)
+    return max(1, min(want, max_len // 512, 64))
+
+
+def decode_attention_xla(q, k_cache, v_cache, *, kv_lens, scale, num_splits=None, score_mod=None, mask_mod=None,
+                         return_lse=False, interpret=False, block_kv: int | None = None):
+    """q: [B, Hq, Lq, D], k_cache: [B, Hkv, Lmax, D], v_cache: [B, Hkv, Lmax, Dv], kv_lens: int32 [B]
+    -> out [B, Hq, Lq, Dv] (and lse [B, Hq, Lq] float32). New token i sits at position kv_lens - Lq + i
+    and sees the cache up to itself; mods get that absolute position as q_idx. ``interpret`` is ignored.
+    """
+    del interpret
+    batch, q_heads, q_len, head_dim = q.shape
+    kv_heads, max_len, dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
+    groups = q_heads // kv_heads
+    rows = groups * q_len
+    splits = num_splits or choose_num_splits(batch, kv_heads, max_len)
+    split_len = _cdiv(max_len, splits)
+    chunk = min(block_kv or DEFAULT_BLOCK_KV, split_len)
+    precision = precision_for(q.dtype)
+    kv_lens = jnp.asarray(kv_lens, jnp.int32)
+
+    q_rows = q.reshape(batch, kv_heads, rows, head_dim)
+    i32 = jnp.int32
+    b_idx = jnp.arange(batch, dtype=i32).reshape(batch, 1, 1, 1, 1, 1)
+    h_idx = jnp.arange(q_heads, dtype=i32).reshape(1, kv_heads, 1, groups, 1, 1)
+    q_pos = (kv_lens[:, None] - q_len + jnp.arange(q_len, dtype=i32)).reshape(batch, 1, 1, 1, q_len, 1)
+    split_lo = jnp.arange(splits, dtype=i32) * split_len  # [S]
+    split_hi = jnp.minimum(split_lo + split_len, max_len)
+    tile6 = (batch, kv_heads, splits, groups, q_len, chunk)
+
+    def step(t, carry):
+        m, l, acc = carry
+        nominal = split_lo + t * chunk  # [S]: first row this step owns in each split
+        starts = jnp.clip(nominal, 0, max_len - chunk)  # a chunk never runs past the cache
+        k_t = jnp.stack([lax.dynamic_slice_in_dim(k_cache, starts[s], chunk, axis=2) for s in range(splits)], 2)
+        v_t = jnp.stack([lax.dynamic_slice_in_dim(v_cache, starts[s], chunk, axis=2) for s in range(splits)], 2)
+        pos = starts[:, None] + jnp.arange(chunk, dtype=i32)  # [S, C]
+        owned = (pos >= nominal[:, None]) & (pos < split_hi[:, None])
+        in_cache = pos[None] < kv_lens[:, None, None]  # [B, S, C]
+        v_t = jnp.where(in_cache[:, None, :, :, None], v_t, 0)  # garbage past kv_lens must not reach P @ V
+        s = jnp.einsum("bhmd,bhscd->bhsmc", q_rows, k_t, precision=precision, preferred_element_type=F32)
+        s = (s * scale).reshape(tile6)
+        kv_idx = pos.reshape(1, 1, splits, 1, 1, chunk)
+        if score_mod is not None:
+            s = jnp.broadcast_to(score_mod(s, b_idx, h_idx, q_pos, kv_idx), tile6).astype(F32)
+        allowed = owned.reshape(1, 1, splits, 1, 1, chunk) & (kv_idx <= q_pos)
+        if mask_mod is not None:
+            allowed = allowed & mask_mod(b_idx, h_idx, q_pos, kv_idx)
+        s = jnp.where(allowed, s, NEG_INF).reshape(batch, kv_heads, splits, rows, chunk)
+        m_new = jnp.maximum(m, s.max(-1))
+        m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)  # rows with nothing allowed yet: exp() stays 0
+        p = jnp.exp(s - m_safe[..., None])
+        alpha = jnp.exp(m - m_safe)
+        pv = jnp.einsum("bhsmc,bhscd->bhsmd", p.astype(v_t.dtype), v_t, precision=precision,
+                        preferred_element_type=F32)
+        return m_new, alpha * l + p.sum(-1), alpha[..., None] * acc + pv
+
+    state = (batch, kv_heads, splits, rows)
+    init = (jnp.full(state, NEG_INF, F32), jnp.zeros(state, F32), jnp.zeros(state + (dv,), F32))
+    # Steps needed by the longest sequence (split 0 is the fullest); a traced trip count: no recompiles.
+    steps = _cdiv(jnp.minimum(jnp.max(kv_lens), split_len), chunk)
+    m, l, acc = lax.fori_loop(0, steps.astype(i32), step, init)
+
+    # Merge the splits by log-sum-exp.
+    m_all = m.max(2)
+    m_all_safe = jnp.where(m_all == NEG_INF, 0.0, m_all)
+    weight = jnp.exp(m - m_all_safe[:, :, None])  # [B, Hkv, S, rows]
+    l_all = (weight * l).sum(2)
+    acc_all = (weight[..., None] * acc).sum(2)
+    has_any = l_all > 0
+    l_safe = jnp.where(has_any, l_all, 1.0)
+    out = (acc_all / l_safe[..., None]).astype(q.dtype).reshape(batch, q_heads, q_len, dv)
+    if not return_lse:
+        return out
+    lse = jnp.where(has_any, m_all_safe + jnp.log(l_safe), NEG_INF).reshape(batch, q_heads, q_len)
+    return out, lse
