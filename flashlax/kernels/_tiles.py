@@ -173,31 +173,42 @@ def _is_ref(x) -> bool:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class TileMod:
-    """A score_mod or mask_mod with the arrays it closes over made explicit.
+    """A score_mod or mask_mod traced once, for scalars, with the arrays it closes over made explicit.
 
     kind: "score" (``fn(score, b, h, q_idx, kv_idx)``) or "mask" (``fn(b, h, q_idx, kv_idx)``).
-    captured: the arrays ``fn`` closes over (found by tracing), in a fixed order; pass them (or refs to
-    them, or tracers standing for them) to :meth:`__call__` in that order.
+    jaxpr: ``fn`` traced with scalar arguments (the FlexAttention convention: mods are written for
+    scalars). captured: every array the trace closed over (segment ids, slopes, tables, constants), in
+    the order of ``jaxpr.constvars``.
 
-    ``tm(captured, *args)`` evaluates ``fn(*args)`` with ``captured[i]`` in place of ``self.captured[i]``.
-    ``captured[i]`` may be an array (XLA side: differentiable in it) or a Pallas ref (inside a kernel:
-    reads become ref loads). The result is broadcast to the common shape of the index arguments (and
-    the score), float32 for score mods and bool for mask mods.
+    ``tm(captured, *args)`` evaluates the mod on arguments of any broadcast-compatible shapes (a kernel
+    tile: b, h scalars, q_idx [BQ, 1], kv_idx [1, BKV]; a dense XLA plane; a backward sub-tile), with
+    ``captured[i]`` standing for ``self.captured[i]``. ``captured[i]`` may be an array or a tracer (XLA
+    side: differentiable in it, also under ``jax.vjp``) or a Pallas ref (inside a kernel: reads become ref
+    loads with index arrays, i.e. pointer gathers in the Triton lowering). The scalar jaxpr is evaluated
+    elementwise with broadcasting, so it is never re-traced: nothing touches the original closure again,
+    which keeps the backward free of leaked tracers. The result is broadcast to the arguments' common
+    shape, float32 for score mods and bool for mask mods. Unsupported captured-array uses raise
+    :class:`UnsupportedModError` (only point reads ``x[i, j]`` of captured arrays are supported).
     """
 
     fn: Callable
     kind: str
+    jaxpr: Any
     captured: tuple
 
     @staticmethod
-    def make(fn: Callable | None, kind: str, example_shape: tuple[int, int] = (16, 16)) -> "TileMod | None":
-        """Traces ``fn`` once at an example tile shape to find its captured arrays; None for None."""
+    def make(fn: Callable | None, kind: str) -> "TileMod | None":
+        """Traces ``fn`` once for scalars; None for None. Call while captured tracers are alive."""
         if fn is None:
             return None
-        bq, bkv = example_shape
-        args = _example_args(kind, bq, bkv)
-        closed = jax.make_jaxpr(fn)(*args)
-        return TileMod(fn, kind, tuple(closed.consts))
+        closed = jax.make_jaxpr(fn)(*_scalar_args(kind))
+        if len(closed.jaxpr.outvars) != 1:
+            raise ValueError(f"{kind}_mod must return one array, got {len(closed.jaxpr.outvars)} outputs")
+        tm = TileMod(fn, kind, closed.jaxpr, tuple(closed.consts))
+        # Evaluate once abstractly on a small tile so unsupported uses fail here, before any kernel.
+        jax.eval_shape(lambda caps: tm(caps, *_tile_args(kind, 2, 2)),
+                       [jax.ShapeDtypeStruct(jnp.shape(c), jnp.result_type(c)) for c in tm.captured])
+        return tm
 
     @property
     def num_captured(self) -> int:
@@ -206,170 +217,150 @@ class TileMod:
     def __call__(self, captured: Sequence[Any], *args):
         if len(captured) != len(self.captured):
             raise ValueError(f"TileMod: expected {len(self.captured)} captured arrays, got {len(captured)}")
-        specs = [jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)) for a in args]
-        closed = jax.make_jaxpr(self.fn)(*specs)
-        consts = []
-        for c in closed.consts:
-            j = next((i for i, own in enumerate(self.captured) if own is c), None)
-            consts.append(c if j is None else captured[j])
-        out = _eval_jaxpr(closed.jaxpr, consts, list(args))[0]
-        out = _materialize(out)
+        n_args = 5 if self.kind == "score" else 4
+        if len(args) != n_args:
+            raise ValueError(f"TileMod: a {self.kind}_mod takes {n_args} arguments, got {len(args)}")
+        args = [jnp.asarray(a) for a in args]
+        out = _eval_jaxpr(self.jaxpr, [_Captured(c) for c in captured], args)[0]
+        if isinstance(out, (_Captured, _Cols)):
+            raise UnsupportedModError(f"{self.kind}_mod returns a captured array itself")
         shape = jnp.broadcast_shapes(*[jnp.shape(a) for a in args])
         out = jnp.broadcast_to(out, shape)
         return out.astype(jnp.float32) if self.kind == "score" else out.astype(jnp.bool_)
 
 
-def _example_args(kind: str, bq: int, bkv: int):
-    i32 = jnp.int32
-    idx = [jax.ShapeDtypeStruct((), i32), jax.ShapeDtypeStruct((), i32),
-           jax.ShapeDtypeStruct((bq, 1), i32), jax.ShapeDtypeStruct((1, bkv), i32)]
+def _scalar_args(kind: str):
+    i32 = jax.ShapeDtypeStruct((), jnp.int32)
     if kind == "score":
-        return [jax.ShapeDtypeStruct((bq, bkv), jnp.float32)] + idx
+        return [jax.ShapeDtypeStruct((), jnp.float32), i32, i32, i32, i32]
     if kind == "mask":
-        return idx
+        return [i32, i32, i32, i32]
     raise ValueError(f"TileMod: kind must be 'score' or 'mask', got {kind!r}")
 
 
-def captured_specs(captured: Sequence[Any], grid_rank: int) -> list:
-    """Whole-array BlockSpecs for captured arrays (one block covering the array, every program)."""
-    del grid_rank
+def _tile_args(kind: str, bq: int, bkv: int):
+    i32 = jnp.int32
+    idx = [jnp.int32(0), jnp.int32(0), jnp.zeros((bq, 1), i32), jnp.zeros((1, bkv), i32)]
+    return ([jnp.zeros((bq, bkv), jnp.float32)] + idx) if kind == "score" else idx
+
+
+def captured_specs(captured: Sequence[Any]) -> list:
+    """Whole-array BlockSpecs for captured arrays (one block covering the array, for every program)."""
     return [pl.BlockSpec(tuple(jnp.shape(c)), (lambda nd: (lambda *_: (0,) * nd))(jnp.ndim(c)))
             for c in captured]
 
 
 # --- the evaluator ---------------------------------------------------------------------------------
-# Lazy values for the index plumbing that jnp indexing emits before a gather:
-#   broadcast_in_dim x[..., None]  -> _Trailing(x)
-#   concatenate([..., None] parts, dimension=-1) -> _Cols([parts])
-# so a gather on a captured ref can read one index array per indexed dimension, without ever
-# building the [..., k] index tensor (Triton has no gather and only 2-operand last-dim concatenates).
+# Every runtime value stands for a field of scalars: its nominal aval in the jaxpr has size 1 (shape ()
+# or (1, ..., 1)), its runtime shape is whatever the arguments broadcast to. Elementwise primitives are
+# bound after broadcasting their operands; size-1 reshapes are identities; reads of a captured array
+# (dynamic_slice of size 1, or a point gather whose index vector was concatenated from scalars) become
+# point loads x[i, j, ...] with index arrays clamped into range.
 
 @dataclasses.dataclass
-class _Trailing:
-    base: Any
+class _Captured:
+    x: Any            # array, tracer, or Pallas ref
 
 
 @dataclasses.dataclass
 class _Cols:
-    cols: list
+    cols: list        # an index vector (nominal shape (k,)) held as k scalar fields
 
 
-@dataclasses.dataclass
-class _Captured:
-    ref: Any
+def _unit(aval) -> bool:
+    return all(d == 1 for d in getattr(aval, "shape", ()))
 
 
-def _materialize(x):
-    if isinstance(x, _Trailing):
-        return jnp.expand_dims(_materialize(x.base), -1)
-    if isinstance(x, _Cols):
-        return jnp.concatenate([jnp.expand_dims(c, -1) for c in x.cols], axis=-1)
-    if isinstance(x, _Captured):
-        return x.ref[...]
-    return x
+_RESHAPES = ("squeeze", "reshape", "broadcast_in_dim", "expand_dims", "copy", "copy_p")
 
 
-def _columns(idx) -> list:
-    if isinstance(idx, _Cols):
-        return list(idx.cols)
-    if isinstance(idx, _Trailing):
-        return [_materialize(idx.base)]
-    idx = _materialize(idx)
-    return [idx[..., i] for i in range(idx.shape[-1])]
-
-
-def _ref_point_load(ref, shape, index_of_dim: dict):
-    """ref[i_0, ..., i_n] with i_d = index_of_dim.get(d, 0) clamped into [0, shape[d] - 1]."""
-    idx = []
-    for d, n in enumerate(shape):
-        i = index_of_dim.get(d, jnp.int32(0))
-        idx.append(jnp.clip(jnp.asarray(i).astype(jnp.int32), 0, n - 1))
+def _point_load(x, shape, index_of_dim: dict):
+    """x[i_0, ..., i_n], i_d = index_of_dim.get(d, 0) clamped into [0, shape[d] - 1], broadcast together."""
     if not shape:
-        return ref[...]
-    return ref[tuple(idx)]
-
-
-def _gather_from_ref(ref, indices, *, dimension_numbers, slice_sizes, mode, fill_value, **_):
-    shape = tuple(ref.shape)
-    dn = dimension_numbers
-    if (dn.offset_dims or dn.operand_batching_dims or any(s != 1 for s in slice_sizes)
-            or tuple(sorted(dn.collapsed_slice_dims)) != tuple(range(len(shape)))):
-        raise UnsupportedModError(f"gather from a captured array of shape {shape} with {dn}, "
-                                  f"slice_sizes={slice_sizes}: only point reads x[i, j, ...] are supported")
-    cols = _columns(indices)
-    index_of_dim = dict(zip(dn.start_index_map, cols))
-    val = _ref_point_load(ref, shape, index_of_dim)
-    if mode == lax.GatherScatterMode.FILL_OR_DROP:
-        ok = jnp.ones(jnp.shape(val), jnp.bool_)
-        for d, i in index_of_dim.items():
-            ok = ok & (i >= 0) & (i < shape[d])
-        fill = fill_value if fill_value is not None else (
-            jnp.nan if jnp.issubdtype(ref.dtype, jnp.inexact) else 0)
-        val = jnp.where(ok, val, jnp.asarray(fill, val.dtype))
-    return val
-
-
-def _dynamic_slice_from_ref(ref, *starts, slice_sizes, **_):
-    shape = tuple(ref.shape)
-    if any(s != 1 for s in slice_sizes):
-        raise UnsupportedModError(f"dynamic_slice of size {slice_sizes} from a captured array of shape "
-                                  f"{shape}: only single elements (x[i]) are supported")
-    val = _ref_point_load(ref, shape, dict(enumerate(starts)))
-    return jnp.broadcast_to(val, tuple(slice_sizes))
+        return x[...]
+    idx = [jnp.clip(jnp.asarray(index_of_dim.get(d, 0)).astype(jnp.int32), 0, n - 1)
+           for d, n in enumerate(shape)]
+    if all(jnp.ndim(i) == 0 for i in idx):
+        return x[tuple(idx)]
+    idx = jnp.broadcast_arrays(*idx)
+    return x[tuple(idx)]
 
 
 def _eval_jaxpr(jaxpr, consts, args):
     env: dict = {}
 
     def read(v):
-        if isinstance(v, Literal):
-            return v.val
-        return env[v]
+        return v.val if isinstance(v, Literal) else env[v]
 
     for v, c in zip(jaxpr.constvars, consts):
-        env[v] = _Captured(c) if _is_ref(c) else c
+        env[v] = c
     for v, a in zip(jaxpr.invars, args):
         env[v] = a
-
     for eqn in jaxpr.eqns:
-        vals = [read(v) for v in eqn.invars]
-        outs = _eval_eqn(eqn, vals)
+        outs = _eval_eqn(eqn, [read(v) for v in eqn.invars])
         for v, o in zip(eqn.outvars, outs):
             env[v] = o
     return [read(v) for v in jaxpr.outvars]
 
 
 def _eval_eqn(eqn, vals):
-    prim, params = eqn.primitive, eqn.params
-    name = prim.name
-    if name == "gather" and isinstance(vals[0], _Captured):
-        return [_gather_from_ref(vals[0].ref, vals[1], **params)]
+    prim, params, name = eqn.primitive, eqn.params, eqn.primitive.name
     if name == "dynamic_slice" and isinstance(vals[0], _Captured):
-        return [_dynamic_slice_from_ref(vals[0].ref, *[_materialize(s) for s in vals[1:]], **params)]
-    if name == "broadcast_in_dim" and not isinstance(vals[0], (_Captured, _Cols, _Trailing)):
-        x = vals[0]
-        shape = tuple(params["shape"])
-        if (jnp.ndim(x) >= 1 and shape == tuple(jnp.shape(x)) + (1,)
-                and tuple(params["broadcast_dimensions"]) == tuple(range(jnp.ndim(x)))):
-            return [_Trailing(x)]
-    if name == "concatenate" and params["dimension"] == len(eqn.outvars[0].aval.shape) - 1 \
-            and all(isinstance(x, (_Trailing, _Cols)) for x in vals):
-        cols = []
-        for x in vals:
-            cols.extend(_columns(x))
-        return [_Cols(cols)]
-    if name in ("pjit", "jit", "closed_call", "core_call"):
-        inner = params.get("jaxpr") or params.get("call_jaxpr")
-        closed = inner if hasattr(inner, "consts") else None
-        jaxpr = closed.jaxpr if closed is not None else inner
-        consts = list(closed.consts) if closed is not None else []
+        sizes = tuple(params["slice_sizes"])
+        shape = tuple(eqn.invars[0].aval.shape)
+        if any(s != 1 for s in sizes):
+            raise UnsupportedModError(f"a mod slices {sizes} out of a captured array of shape {shape}; "
+                                      "only point reads x[i, j, ...] are supported in the kernels")
+        return [_point_load(vals[0].x, shape, dict(enumerate(vals[1:])))]
+    if name == "gather" and isinstance(vals[0], _Captured):
+        return [_gather(vals[0].x, tuple(eqn.invars[0].aval.shape), vals[1], **params)]
+    if name == "concatenate" and all(_unit(v.aval) for v in eqn.invars) and len(eqn.outvars[0].aval.shape) == 1:
+        return [_Cols([_field(x) for x in vals])]
+    if name in ("jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call", "remat",
+                "checkpoint"):
+        inner = params.get("jaxpr", params.get("call_jaxpr", params.get("fun_jaxpr")))
+        if inner is None:
+            raise UnsupportedModError(f"cannot evaluate the {name} primitive inside a mod")
+        jaxpr, consts = (inner.jaxpr, [_Captured(c) for c in inner.consts]) if hasattr(inner, "consts") \
+            else (inner, [])
         return _eval_jaxpr(jaxpr, consts, vals)
-    if name == "custom_jvp_call":
-        inner = params["call_jaxpr"]
-        return _eval_jaxpr(inner.jaxpr, list(inner.consts), vals)
-    if any(isinstance(x, _Captured) for x in vals) and eqn.params and any(
-            hasattr(p, "eqns") or hasattr(p, "jaxpr") for p in params.values()):
-        raise UnsupportedModError(f"captured array used inside a {name} primitive")
-    vals = [_materialize(x) for x in vals]
+    if any(isinstance(v, (_Captured, _Cols)) for v in vals):
+        raise UnsupportedModError(f"a mod uses a captured array in a {name} primitive; only point reads "
+                                  "x[i, j, ...] are supported in the kernels")
+    if not all(_unit(v.aval) for v in list(eqn.invars) + list(eqn.outvars)):
+        raise UnsupportedModError(f"a mod builds a non-scalar value with {name} "
+                                  f"({[v.aval for v in eqn.outvars]}); mods must be written for scalars")
+    if name in _RESHAPES:
+        return [vals[0]]
+    vals = [jnp.asarray(v) for v in vals]
+    shape = jnp.broadcast_shapes(*[v.shape for v in vals]) if vals else ()
+    vals = [jnp.broadcast_to(v, shape) if v.shape != shape else v for v in vals]
     out = prim.bind(*vals, **params)
-    return out if prim.multiple_results else [out]
+    return list(out) if prim.multiple_results else [out]
+
+
+def _field(x):
+    if isinstance(x, _Cols):
+        if len(x.cols) != 1:
+            raise UnsupportedModError("nested index vectors in a mod")
+        return x.cols[0]
+    return x
+
+
+def _gather(x, shape, indices, *, dimension_numbers, slice_sizes, mode, fill_value, **_):
+    dn = dimension_numbers
+    if (dn.offset_dims or dn.operand_batching_dims or any(s != 1 for s in slice_sizes)
+            or tuple(sorted(dn.collapsed_slice_dims)) != tuple(range(len(shape)))):
+        raise UnsupportedModError(f"gather from a captured array of shape {shape} with {dn}, "
+                                  f"slice_sizes={slice_sizes}: only point reads x[i, j, ...] are supported")
+    cols = indices.cols if isinstance(indices, _Cols) else [indices]
+    index_of_dim = dict(zip(dn.start_index_map, cols))
+    val = _point_load(x, shape, index_of_dim)
+    if mode == lax.GatherScatterMode.FILL_OR_DROP:
+        ok = True
+        for d, i in index_of_dim.items():
+            ok = ok & (i >= 0) & (i < shape[d])
+        fill = fill_value if fill_value is not None else (
+            jnp.nan if jnp.issubdtype(x.dtype, jnp.inexact) else 0)
+        val = jnp.where(ok, val, jnp.asarray(fill, val.dtype))
+    return val

@@ -1,0 +1,132 @@
+"""Tile sizes, warps and pipeline stages of the flash-attention forward kernel, per device kind.
+
+A config is an argument of the kernel, never a global. :func:`flash_config` picks one from the device
+kind (``jax.devices()[0].device_kind``), the head dims and the dtype; :func:`check_config` rejects one
+whose static shared-memory estimate exceeds the device's per-block limit, with a ValueError, before
+anything is compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+# Shared memory one thread block may use (opt-in maximum), bytes.
+SMEM_LIMITS: dict[str, int] = {
+    "h200": 232448,      # sm_90 (H100/H200): 227 KB
+    "rtx3090": 101376,   # sm_86 (RTX 3090/3080, A10): 99 KB
+    "default": 101376,   # unknown device: assume the smallest budget we ship configs for
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class FlashConfig:
+    """Forward kernel launch parameters: a program owns ``block_q`` query rows of one head and steps
+    through the KV sequence ``block_kv`` keys at a time; Triton ``num_warps`` / ``num_stages``."""
+
+    block_q: int = 64
+    block_kv: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        for name in ("block_q", "block_kv"):
+            val = getattr(self, name)
+            if not isinstance(val, int) or val < 16 or val & (val - 1):
+                raise ValueError(f"FlashConfig: {name} must be a power of two >= 16, got {val!r}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"FlashConfig: num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps!r}")
+        if not isinstance(self.num_stages, int) or self.num_stages < 1:
+            raise ValueError(f"FlashConfig: num_stages must be a positive int, got {self.num_stages!r}")
+
+
+def smem_bytes(config: FlashConfig, head_dim: int, head_dim_v: int, dtype) -> int:
+    """Static estimate of the forward kernel's shared memory, bytes.
+
+    Triton stages the q tile once and the streamed K and V tiles once per pipeline stage; the P tile
+    that feeds the second matmul (P @ V) is round-tripped through shared memory for its layout change.
+    Head dims are padded to powers of two, as in the kernel.
+    """
+    item = jnp.dtype(dtype).itemsize
+    d, dv = _pow2(head_dim), _pow2(head_dim_v)
+    q_tile = config.block_q * d * item
+    kv_tiles = config.num_stages * config.block_kv * (d + dv) * item
+    p_tile = config.block_q * config.block_kv * item
+    return q_tile + kv_tiles + p_tile
+
+
+def device_family(device_kind: str | None = None) -> str:
+    """'h200' (Hopper: H100/H200/H800/GH200), 'rtx3090' (Ampere consumer: 3090/3080/A10) or 'default'."""
+    if device_kind is None:
+        try:
+            device_kind = jax.devices()[0].device_kind
+        except RuntimeError:
+            device_kind = ""
+    kind = device_kind.lower()
+    if any(t in kind for t in ("h100", "h200", "h800", "gh200")):
+        return "h200"
+    if any(t in kind for t in ("3090", "3080", "a10")):
+        return "rtx3090"
+    return "default"
+
+
+def smem_limit(device_kind: str | None = None) -> int:
+    return SMEM_LIMITS[device_family(device_kind)]
+
+
+# Forward configs: family -> {(max head dim, dtype class): config}; dtype class "16" (bf16/f16) or "32".
+# The largest padded head dim (of D and Dv) picks the entry. Every entry fits its family's limit at
+# that head dim (tests/test_kernel_configs.py).
+FWD_CONFIGS: dict[str, dict[tuple[int, str], FlashConfig]] = {
+    "h200": {
+        (64, "16"): FlashConfig(128, 64, 4, 3),
+        (128, "16"): FlashConfig(128, 64, 8, 3),
+        (256, "16"): FlashConfig(128, 64, 8, 2),
+        (64, "32"): FlashConfig(64, 64, 4, 3),
+        (128, "32"): FlashConfig(64, 64, 4, 2),
+        (256, "32"): FlashConfig(64, 32, 4, 2),
+    },
+    "rtx3090": {
+        (64, "16"): FlashConfig(128, 64, 4, 3),
+        (128, "16"): FlashConfig(128, 32, 8, 2),
+        (256, "16"): FlashConfig(32, 32, 4, 2),
+        (64, "32"): FlashConfig(64, 64, 4, 2),
+        (128, "32"): FlashConfig(32, 32, 4, 2),
+        (256, "32"): FlashConfig(32, 16, 4, 2),
+    },
+}
+FWD_CONFIGS["default"] = FWD_CONFIGS["rtx3090"]
+
+
+def flash_config(head_dim: int, head_dim_v: int | None = None, dtype=jnp.bfloat16,
+                 device_kind: str | None = None) -> FlashConfig:
+    """The forward config for this device kind, head dims and input dtype."""
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    d = max(_pow2(head_dim), _pow2(head_dim_v))
+    if d > 256:
+        raise ValueError(f"flash_config: head dims up to 256 are supported, got ({head_dim}, {head_dim_v})")
+    cls = "32" if jnp.dtype(dtype).itemsize >= 4 else "16"
+    table = FWD_CONFIGS[device_family(device_kind)]
+    for max_d in (64, 128, 256):
+        if d <= max_d:
+            return table[(max_d, cls)]
+    raise AssertionError("unreachable")
+
+
+def check_config(config: FlashConfig, head_dim: int, head_dim_v: int, dtype,
+                 device_kind: str | None = None, limit: int | None = None) -> None:
+    """ValueError when ``config`` needs more shared memory than one block may use on the device."""
+    limit = smem_limit(device_kind) if limit is None else limit
+    need = smem_bytes(config, head_dim, head_dim_v, dtype)
+    if need > limit:
+        raise ValueError(
+            f"flash attention config {config} needs about {need} bytes of shared memory for head dims "
+            f"({head_dim}, {head_dim_v}) and dtype {jnp.dtype(dtype).name}, over the device limit of "
+            f"{limit} bytes ({device_kind or device_family()}); use smaller block_q/block_kv/num_stages")

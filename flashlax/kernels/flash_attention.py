@@ -1,0 +1,368 @@
+"""Flash-attention forward for flex_attention: a Pallas kernel (Triton lowering), its pallas_call wrapper,
+the custom_vjp and the entry point :func:`flex_attention_pallas`.
+
+One program per (query head h, query tile, batch b) owns ``block_q`` query rows and runs the online softmax
+over the KV tiles its block-mask row lists: first the full tiles (no mask_mod), then the partial ones
+(mask_mod evaluated on the tile); empty tiles are never visited. The tile lists are int32 refs read inside
+the kernel, so the trip counts are data dependent and K/V are sliced with
+``pl.ds(pl.multiple_of(idx * block_kv, block_kv), block_kv)``.
+
+GQA is native: query head h reads KV head h // G through the BlockSpec index map, so K/V are never
+repeated in memory. Heads are the fastest grid axis, so the G programs that share a KV head run side by
+side and read each K/V tile from L2.
+
+Statistics are float32 and kept in base 2 (``exp2`` of ``s * log2 e``); lse is returned in natural log
+for the backward. Fully masked rows give output 0 and lse -inf (see ``_tiles.softmax_update``).
+Head dims are padded to the next power of two inside the kernel (masked loads, masked stores) and
+sequence edges are masked, so any Lq, Lkv and head dims 16..256 work without padding in memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from flashlax import masks as masks_lib
+from flashlax.kernels import _tiles
+from flashlax.kernels._tiles import LOG2E, TileMod, pow2
+from flashlax.kernels.configs import FlashConfig, check_config, flash_config
+
+_SUPPORTED_TILES = (16, 32, 64, 128, 256)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Static:
+    """Everything about one call that is not an array (a custom_vjp nondiff argument)."""
+
+    config: FlashConfig
+    scale: float
+    score_mod: TileMod | None
+    mask_mod: TileMod | None
+    n_score_cap: int
+    has_block_mask: bool
+    return_lse: bool
+    interpret: bool
+    reverse_q: bool
+
+
+# ----------------------------------------------------------------------------------------------------
+# Kernel
+# ----------------------------------------------------------------------------------------------------
+
+def _fwd_kernel(*refs, st: _Static, n_cap: int, bm_dep: bool, hm_dep: bool, lq: int, lkv: int, d: int,
+                dv: int, nq: int, nkv: int):
+    cfg = st.config
+    bq, bkv = cfg.block_q, cfg.block_kv
+    q_ref, k_ref, v_ref = refs[:3]
+    pos = 3
+    if st.has_block_mask:
+        kv_num_ref, kv_idx_ref, full_num_ref, full_idx_ref = refs[3:7]
+        pos = 7
+    cap_refs = refs[pos:pos + n_cap]
+    o_ref, lse_ref = refs[pos + n_cap:]
+    score_caps, mask_caps = cap_refs[:st.n_score_cap], cap_refs[st.n_score_cap:]
+
+    h = pl.program_id(0)
+    iq = pl.program_id(1)
+    if st.reverse_q:                       # heaviest (causal: longest) rows first
+        iq = nq - 1 - iq
+    b = pl.program_id(2)
+    dp, dvp = pow2(d), pow2(dv)
+    q_start = pl.multiple_of(iq * bq, bq)
+    q = _tiles.load_tile(q_ref, q_start, bq, lq, dp, d)
+    q_idx = q_start + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
+    precision = _tiles.dot_precision(q.dtype)
+    kv_ragged = lkv % bkv != 0
+
+    def visit(kv_tile, carry, masked: bool):
+        m_prev, l_prev, acc_prev = carry
+        kv_start = pl.multiple_of(kv_tile * bkv, bkv)
+        k = _tiles.load_tile(k_ref, kv_start, bkv, lkv, dp, d)
+        v = _tiles.load_tile(v_ref, kv_start, bkv, lkv, dvp, dv)
+        qk = _tiles.dot_nt(q, k, precision)
+        kv_idx = kv_start + lax.broadcasted_iota(jnp.int32, (1, bkv), 1)
+        if st.score_mod is None:
+            s2 = qk * (st.scale * LOG2E)
+        else:
+            s2 = st.score_mod(score_caps, qk * st.scale, b, h, q_idx, kv_idx) * LOG2E
+        if kv_ragged:
+            s2 = s2 + _tiles.kv_edge_bias(kv_start, bkv, lkv)
+        if masked:
+            allowed = st.mask_mod(mask_caps, b, h, q_idx, kv_idx)
+            s2 = jnp.where(allowed, s2, -jnp.inf)
+        p, alpha, m_new, l_new = _tiles.softmax_update(s2, m_prev, l_prev, acc_prev)
+        acc = acc_prev * alpha[:, None] + _tiles.dot_nn(p.astype(v.dtype), v, precision)
+        return m_new, l_new, acc
+
+    carry = (jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32),
+             jnp.zeros((bq, dvp), jnp.float32))
+    if st.has_block_mask:
+        def full_body(j, c):
+            return visit(full_idx_ref[j], c, masked=False)
+
+        carry = lax.fori_loop(0, full_num_ref[0], full_body, carry)
+        if st.mask_mod is not None:
+            def partial_body(j, c):
+                return visit(kv_idx_ref[j], c, masked=True)
+
+            carry = lax.fori_loop(0, kv_num_ref[0], partial_body, carry)
+    else:
+        carry = lax.fori_loop(0, nkv, lambda j, c: visit(j, c, masked=False), carry)
+
+    m, l, acc = carry
+    out, lse = _tiles.softmax_finalize(acc, m, l)
+    _tiles.store_tile(o_ref, q_start, out, lq, dv)
+    _tiles.store_vec(lse_ref, q_start, lse, lq)
+
+
+def _forward_call(st: _Static, q, k, v, bm: masks_lib.BlockMask | None, captured):
+    """pallas_call of the forward. Returns (out [B, Hq, Lq, Dv] q.dtype, lse [B, Hq, Lq] float32)."""
+    bsz, hq, lq, d = q.shape
+    _, hkv, lkv, dv = v.shape
+    groups = hq // hkv
+    cfg = st.config
+    nq, nkv = pl.cdiv(lq, cfg.block_q), pl.cdiv(lkv, cfg.block_kv)
+    dp, dvp = pow2(d), pow2(dv)
+    rev = (lambda i: nq - 1 - i) if st.reverse_q else (lambda i: i)
+
+    in_specs = [
+        pl.BlockSpec((None, None, lq, dp), lambda h, i, b: (b, h, 0, 0)),
+        pl.BlockSpec((None, None, lkv, dp), lambda h, i, b: (b, h // groups, 0, 0)),
+        pl.BlockSpec((None, None, lkv, dvp), lambda h, i, b: (b, h // groups, 0, 0)),
+    ]
+    args = [q, k, v]
+    bm_dep = hm_dep = False
+    if st.has_block_mask:
+        bm_dep, hm_dep = bm.kv_num_blocks.shape[0] > 1, bm.kv_num_blocks.shape[1] > 1
+        sel_b = (lambda b: b) if bm_dep else (lambda b: 0)
+        sel_h = (lambda h: h) if hm_dep else (lambda h: 0)
+        num_spec = pl.BlockSpec((None, None, 1), lambda h, i, b: (sel_b(b), sel_h(h), rev(i)))
+        idx_spec = pl.BlockSpec((None, None, None, nkv), lambda h, i, b: (sel_b(b), sel_h(h), rev(i), 0))
+        in_specs += [num_spec, idx_spec, num_spec, idx_spec]
+        args += [bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices]
+    in_specs += _tiles.captured_specs(captured)
+    args += list(captured)
+
+    kernel = functools.partial(_fwd_kernel, st=st, n_cap=len(captured), bm_dep=bm_dep, hm_dep=hm_dep,
+                               lq=lq, lkv=lkv, d=d, dv=dv, nq=nq, nkv=nkv)
+    out, lse = pl.pallas_call(
+        kernel,
+        grid=(hq, nq, bsz),
+        in_specs=in_specs,
+        out_specs=[pl.BlockSpec((None, None, lq, dvp), lambda h, i, b: (b, h, 0, 0)),
+                   pl.BlockSpec((None, None, lq), lambda h, i, b: (b, h, 0))],
+        out_shape=[jax.ShapeDtypeStruct((bsz, hq, lq, dv), q.dtype),
+                   jax.ShapeDtypeStruct((bsz, hq, lq), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        interpret=st.interpret,
+        name="flex_attention_fwd",
+    )(*args)
+    return out, lse
+
+
+# ----------------------------------------------------------------------------------------------------
+# custom_vjp
+# ----------------------------------------------------------------------------------------------------
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash(st: _Static, q, k, v, bm, captured):
+    return _forward_call(st, q, k, v, bm, captured)
+
+
+def _flash_fwd(st, q, k, v, bm, captured):
+    out, lse = _forward_call(st, q, k, v, bm, captured)
+    return (out, lse), (q, k, v, bm, captured, out, lse)
+
+
+def _flash_bwd(st, res, cts):
+    q, k, v, bm, captured, out, lse = res
+    dout, dlse = cts
+    if st.return_lse or _kernel_bwd() is None:
+        # lse cotangents (or no backward kernel module): vjp of the blockwise XLA path, which returns
+        # the same (out, lse) and differentiates through lse as well.
+        dq, dk, dv, dcap = _xla_vjp(st, q, k, v, bm, captured, dout, dlse)
+    else:
+        dq, dk, dv, dcap = _kernel_vjp(st, q, k, v, bm, captured, out, lse, dout)
+    dcap = tuple(None if not _is_float(c) else g for c, g in zip(captured, dcap))
+    return dq, dk, dv, None, dcap
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def _is_float(x) -> bool:
+    return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def _kernel_bwd():
+    try:
+        from flashlax.kernels.flash_attention_bwd import flash_attention_bwd
+    except ImportError:
+        return None
+    return flash_attention_bwd
+
+
+def _split_mods(st: _Static):
+    """Closure-converted mods in the backward module's convention: captured arrays first."""
+    ns = st.n_score_cap
+    score = None if st.score_mod is None else (lambda *a: st.score_mod(a[:ns], *a[ns:]))
+    nm = 0 if st.mask_mod is None else st.mask_mod.num_captured
+    mask = None if st.mask_mod is None else (lambda *a: st.mask_mod(a[:nm], *a[nm:]))
+    return score, mask
+
+
+def _kernel_vjp(st, q, k, v, bm, captured, out, lse, dout):
+    score, mask = _split_mods(st)
+    if bm is None:
+        bm = masks_lib.create_block_mask(None, None, None, q.shape[2], k.shape[2],
+                                         block_q=st.config.block_q, block_kv=st.config.block_kv)
+    caps = {"score": tuple(captured[:st.n_score_cap]), "mask": tuple(captured[st.n_score_cap:])}
+    dq, dk, dv, dcap = _kernel_bwd()(q, k, v, out, lse, dout, block_mask=bm, score_mod=score,
+                                     mask_mod=mask, captured=caps, scale=st.scale, config=None,
+                                     interpret=st.interpret)
+    return dq, dk, dv, tuple(dcap["score"]) + tuple(dcap["mask"])
+
+
+def _xla_vjp(st, q, k, v, bm, captured, dout, dlse):
+    from flashlax.fallbacks.attention import flex_attention_xla
+
+    def f(q, k, v, caps):
+        score, mask = _bound_mods(st, caps)
+        return flex_attention_xla(q, k, v, score_mod=score, mask_mod=mask, block_mask=bm if mask else None,
+                                  scale=st.scale, return_lse=True)
+
+    _, pullback = jax.vjp(f, q, k, v, tuple(captured))
+    dq, dk, dv, dcap = pullback((dout, dlse))
+    return dq, dk, dv, dcap
+
+
+def _bound_mods(st: _Static, caps):
+    """Plain mods (b, h, q_idx, kv_idx conventions) reading ``caps`` in place of the captured arrays."""
+    ns = st.n_score_cap
+    score = None if st.score_mod is None else (
+        lambda s, b, h, qi, ki: st.score_mod(caps[:ns], s, b, h, qi, ki))
+    mask = None if st.mask_mod is None else (
+        lambda b, h, qi, ki: st.mask_mod(caps[ns:], b, h, qi, ki))
+    return score, mask
+
+
+# ----------------------------------------------------------------------------------------------------
+# Entry point
+# ----------------------------------------------------------------------------------------------------
+
+def _mod_extent(mask_mod: Callable, batch: int, heads: int) -> tuple[int | None, int | None]:
+    """(B or None, H or None): whether mask_mod's result varies with b / h (from its traced shape)."""
+    i32 = jnp.int32
+    shape = jax.eval_shape(mask_mod, jax.ShapeDtypeStruct((batch, 1, 1, 1), i32),
+                           jax.ShapeDtypeStruct((1, heads, 1, 1), i32),
+                           jax.ShapeDtypeStruct((1, 1, 1, 1), i32), jax.ShapeDtypeStruct((1, 1, 1, 1), i32)).shape
+    shape = (1,) * (4 - len(shape)) + tuple(shape)
+    return (batch if shape[0] > 1 else None), (heads if shape[1] > 1 else None)
+
+
+def _check_inputs(q, k, v):
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if jnp.ndim(x) != 4:
+            raise ValueError(f"flex_attention_pallas: {name} must be [B, H, L, D], got shape {jnp.shape(x)} "
+                             f"(q {jnp.shape(q)}, k {jnp.shape(k)}, v {jnp.shape(v)})")
+    (bsz, hq, _, d), (bk, hkv, lkv, dk), (bv, hv, lv, _) = q.shape, k.shape, v.shape
+    if not (bsz == bk == bv and hkv == hv and lkv == lv and d == dk) or hkv == 0 or hq % hkv:
+        raise ValueError(f"flex_attention_pallas: incompatible shapes q {q.shape}, k {k.shape}, v {v.shape} "
+                         "(need q [B, Hq, Lq, D], k [B, Hkv, Lkv, D], v [B, Hkv, Lkv, Dv], Hq % Hkv == 0)")
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+        raise ValueError(f"flex_attention_pallas: q, k, v must share one dtype of float32/bfloat16/float16, "
+                         f"got {q.dtype}, {k.dtype}, {v.dtype} (shapes {q.shape}, {k.shape}, {v.shape})")
+    if max(d, v.shape[-1]) > 256 or min(d, v.shape[-1]) < 1:
+        raise ValueError(f"flex_attention_pallas: head dims must be 1..256, got q {q.shape}, v {v.shape}")
+
+
+def _resolve_block_mask(block_mask, mask_mod, cfg: FlashConfig, bsz, hq, lq, lkv, fits: Callable):
+    """Returns (block_mask or None, config): a block mask whose tiles are the kernel's tiles."""
+    if block_mask is None:
+        if mask_mod is None:
+            return None, cfg
+        b_dim, h_dim = _mod_extent(mask_mod, bsz, hq)
+        return masks_lib.create_block_mask(mask_mod, b_dim, h_dim, lq, lkv, block_q=cfg.block_q,
+                                           block_kv=cfg.block_kv), cfg
+    if not isinstance(block_mask, masks_lib.BlockMask):
+        raise ValueError(f"flex_attention_pallas: block_mask must be a BlockMask or None, got "
+                         f"{type(block_mask).__name__}")
+    bm_b, bm_h, bm_q, bm_kv = block_mask.shape
+    if bm_q != lq or bm_kv != lkv or bm_b not in (1, bsz) or bm_h not in (1, hq):
+        raise ValueError(f"flex_attention_pallas: block_mask of shape {block_mask.shape} does not fit "
+                         f"B={bsz}, Hq={hq}, Lq={lq}, Lkv={lkv} (needs (1 or B, 1 or Hq, Lq, Lkv))")
+    tiles = (block_mask.block_q, block_mask.block_kv)
+    if all(t in _SUPPORTED_TILES for t in tiles):
+        tuned = dataclasses.replace(cfg, block_q=tiles[0], block_kv=tiles[1])
+        if fits(tuned):
+            return block_mask, tuned
+    if mask_mod is None:
+        raise ValueError(f"flex_attention_pallas: block_mask tiles {tiles} are not a supported kernel tile "
+                         f"(powers of two 16..256 within the shared-memory budget) and there is no mask_mod "
+                         f"to rebuild it with tiles ({cfg.block_q}, {cfg.block_kv})")
+    b_dim = bsz if bm_b > 1 else None
+    h_dim = hq if bm_h > 1 else None
+    return masks_lib.create_block_mask(mask_mod, b_dim, h_dim, lq, lkv, block_q=cfg.block_q,
+                                       block_kv=cfg.block_kv), cfg
+
+
+def flex_attention_pallas(q, k, v, *, score_mod=None, mask_mod=None, block_mask=None, scale=None,
+                          return_lse=False, interpret=False, config: FlashConfig | None = None,
+                          device_kind: str | None = None):
+    """Flash attention with flex mods, Pallas/Triton kernel.
+
+    q: [B, Hq, Lq, D], k: [B, Hkv, Lkv, D], v: [B, Hkv, Lkv, Dv], Hq % Hkv == 0 (query head h reads KV
+    head h // (Hq // Hkv)). score_mod(score, b, h, q_idx, kv_idx), mask_mod(b, h, q_idx, kv_idx);
+    block_mask: a BlockMask (its tiles become the kernel's tiles when supported, else it is rebuilt from
+    the mask_mod) or None. Returns out [B, Hq, Lq, Dv] in q's dtype, or (out, lse [B, Hq, Lq] float32).
+    ``config``: a FlashConfig (default: :func:`flash_config` for the device kind, head dims and dtype).
+    Differentiable in q, k, v and float arrays captured by the mods.
+    """
+    _check_inputs(q, k, v)
+    bsz, hq, lq, d = q.shape
+    lkv, dv = k.shape[2], v.shape[-1]
+    scale = float(d ** -0.5 if scale is None else scale)
+    if mask_mod is None and block_mask is not None:
+        mask_mod = block_mask.mask_mod
+    kind = device_kind
+    if kind is None:
+        kind = jax.devices()[0].device_kind if not interpret else "cpu-interpret"
+    cfg = config if config is not None else flash_config(d, dv, q.dtype, kind)
+    check_config(cfg, d, dv, q.dtype, kind)
+    if config is None:
+        # Do not launch tiles far longer than the sequence (tiny inputs).
+        cfg = dataclasses.replace(cfg, block_q=min(cfg.block_q, max(16, pow2(lq))),
+                                  block_kv=min(cfg.block_kv, max(16, pow2(lkv))))
+
+    def fits(c):
+        try:
+            check_config(c, d, dv, q.dtype, kind)
+            return True
+        except ValueError:
+            return False
+
+    bm, cfg = _resolve_block_mask(block_mask, mask_mod, cfg, bsz, hq, lq, lkv, fits)
+    try:
+        score_tm = TileMod.make(score_mod, "score")
+        mask_tm = TileMod.make(mask_mod, "mask") if bm is not None and mask_mod is not None else None
+    except _tiles.UnsupportedModError:
+        # A mod reads its captured arrays in a way the kernel cannot (a slice, not a point read):
+        # run the blockwise XLA path instead (same results, memory linear in length).
+        from flashlax.fallbacks.attention import flex_attention_xla
+        return flex_attention_xla(q, k, v, score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask,
+                                  scale=scale, return_lse=return_lse)
+    captured = tuple(jnp.asarray(c) for c in (score_tm.captured if score_tm else ())) + \
+        tuple(jnp.asarray(c) for c in (mask_tm.captured if mask_tm else ()))
+    st = _Static(config=cfg, scale=scale, score_mod=score_tm, mask_mod=mask_tm,
+                 n_score_cap=score_tm.num_captured if score_tm else 0, has_block_mask=bm is not None,
+                 return_lse=bool(return_lse), interpret=bool(interpret),
+                 reverse_q=bm is not None)
+    out, lse = _flash(st, q, k, v, bm, captured)
+    return (out, lse) if return_lse else out
