@@ -9,7 +9,7 @@ from collections import defaultdict
 from typing import Any, Iterable
 
 # Fields that belong to the measurement or the implementation, not to the shape of a row.
-_NOT_SHAPE = {"impl", "mode", "suite", "error", "note", "num_splits", "residual_note", "compile_s", "inner",
+_NOT_SHAPE = {"impl", "interpret", "window", "documents", "mode", "suite", "error", "note", "num_splits", "residual_note", "compile_s", "inner",
               "median_ms", "q1_ms", "q3_ms", "xla_temp_mb", "xla_arg_mb", "xla_out_mb", "residual_mb",
               "residual_shapes", "kv_mb", "rel_err", "rel_err_grads"}
 
@@ -42,7 +42,7 @@ def group_key(row: dict) -> tuple:
 
 
 def row_key(row: dict) -> tuple:
-    return group_key(row) + (row.get("impl"),)
+    return group_key(row) + (impl_label(row),)
 
 
 def _ms(row: dict) -> float | None:
@@ -70,24 +70,30 @@ def fastest_by_group(rows: Iterable[dict]) -> dict[tuple, float]:
     return best
 
 
+def impl_label(row: dict) -> str:
+    return row["impl"] + (" (interpret)" if row.get("interpret") else "")
+
+
 def summary_table(rows: list[dict]) -> str:
-    """The end-of-run table: impl, shape, mode, median ms, ratio to the fastest peer, rel_err (or error)."""
-    best = fastest_by_group(rows)
+    """The end-of-run table: impl, shape, mode, median ms, ratio to the fastest peer, rel_err (or error).
+    Rows run in the Pallas interpreter are listed but not counted as the fastest peer."""
+    best = fastest_by_group([r for r in rows if not r.get("interpret")])
     lines = ["| impl | shape | mode | median ms | x fastest | rel_err |", "|---|---|---|---|---|---|"]
     for row in rows:
         ms = _ms(row)
         if ms is None:
-            lines.append(f"| {row['impl']} | {shape_label(row)} | {row['mode']} | {row.get('error', '-')} | - | - |")
+            lines.append(f"| {impl_label(row)} | {shape_label(row)} | {row['mode']} | {row.get('error', '-')} | - | - |")
             continue
-        lines.append(f"| {row['impl']} | {shape_label(row)} | {row['mode']} | {_fmt_ms(ms)} | "
-                     f"{ms / best[group_key(row)]:.2f} | {_fmt_err(row.get('rel_err'))} |")
+        ratio = f"{ms / best[group_key(row)]:.2f}" if group_key(row) in best else "-"
+        lines.append(f"| {impl_label(row)} | {shape_label(row)} | {row['mode']} | {_fmt_ms(ms)} | "
+                     f"{ratio} | {_fmt_err(row.get('rel_err'))} |")
     return "\n".join(lines)
 
 
 def report_table(data: dict) -> str:
     """Markdown, one table per suite: a line per (shape, mode), a column per impl, cells ``ms (x fastest)``."""
     rows = data["results"]
-    best = fastest_by_group(rows)
+    best = fastest_by_group([r for r in rows if not r.get("interpret")])
     out = []
     device = data.get("device", {})
     out.append(f"Device: {device.get('gpu') or device.get('device_kind')} (backend {device.get('backend')}, "
@@ -96,10 +102,10 @@ def report_table(data: dict) -> str:
     for row in rows:
         by_suite[row.get("suite") or "linear"].append(row)
     for suite, suite_rows in by_suite.items():
-        impls = list(dict.fromkeys(r["impl"] for r in suite_rows))
+        impls = list(dict.fromkeys(impl_label(r) for r in suite_rows))
         groups: dict[tuple, dict[str, dict]] = {}
         for row in suite_rows:
-            groups.setdefault(group_key(row), {})[row["impl"]] = row
+            groups.setdefault(group_key(row), {})[impl_label(row)] = row
         out.append(f"\n### {suite}: median ms (x fastest peer)\n")
         out.append("| shape | mode | " + " | ".join(impls) + " |")
         out.append("|---|---|" + "---|" * len(impls))
@@ -114,7 +120,7 @@ def report_table(data: dict) -> str:
                 elif ms is None:
                     cells.append("error" if "error" in row else "-")
                 else:
-                    cells.append(f"{_fmt_ms(ms)} ({ms / best[key]:.2f})")
+                    cells.append(f"{_fmt_ms(ms)} ({ms / best[key]:.2f})" if key in best else _fmt_ms(ms))
             out.append(f"| {shape_label(first)} | {first['mode']} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
@@ -148,7 +154,7 @@ def plot(data: dict, path: str) -> str:
             varying.append("lq")
         lines: dict[str, list[tuple[int, float]]] = defaultdict(list)
         for row in rows:
-            label = " ".join([row["impl"]] + [f"{k}={row.get(k)}" for k in varying])
+            label = " ".join([impl_label(row)] + [f"{k}={row.get(k)}" for k in varying])
             lines[label].append((_seq_of(row), _ms(row)))
         for label, points in sorted(lines.items()):
             points.sort()

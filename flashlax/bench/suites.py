@@ -334,7 +334,7 @@ def run_linear(cfg: dict, stream=sys.stderr) -> list[dict]:
     return rows
 
 
-def _mask_mod(mask: str, lq: int):
+def _mask_mod(mask: str, lq: int, batch: int):
     """(mask_mod or None, causal flag for peers, extra ident fields)."""
     if mask == "full":
         return None, False, {}
@@ -344,7 +344,8 @@ def _mask_mod(mask: str, lq: int):
         return masks.sliding_window(SLIDING_WINDOW), False, {"window": SLIDING_WINDOW}
     if mask == "document":
         bounds = np.linspace(0, lq, NUM_DOCUMENTS + 1).astype(np.int32)[1:-1]
-        segment_ids = jnp.asarray(np.searchsorted(bounds, np.arange(lq), side="right").astype(np.int32))
+        one_row = np.searchsorted(bounds, np.arange(lq), side="right").astype(np.int32)
+        segment_ids = jnp.asarray(np.tile(one_row, (batch, 1)))  # [B, L]: 8 equal documents per row
         return masks.and_masks(masks.causal, masks.document(segment_ids, segment_ids)), False, \
             {"documents": NUM_DOCUMENTS}
     raise ValueError(f"unknown mask {mask!r}; valid: full, causal, sliding_window, document")
@@ -356,12 +357,14 @@ def _interpret(cfg: dict, op: str, impl: str) -> bool:
     return bool(cfg.get("interpret")) and entry is not None and entry.kind == "pallas" and not harness.on_gpu()
 
 
-def _attention_runner(impl: str, *, mask_mod, causal: bool, lq: int, lkv: int, mask: str, interpret: bool):
+def _attention_runner(impl: str, *, mask_mod, causal: bool, batch: int, lq: int, lkv: int, mask: str,
+                      interpret: bool):
     if impl.startswith("flex_"):
         block_mask = None
         if mask_mod is not None:
             try:  # built once, outside timing, as a FlexAttention user does
-                block_mask = flashlax.create_block_mask(mask_mod, None, None, lq, lkv)
+                block_mask = flashlax.create_block_mask(mask_mod, batch if mask == "document" else None, None,
+                                                        lq, lkv)
             except Exception:
                 block_mask = None
         return peers.flex_runner(impl, mask_mod=mask_mod, block_mask=block_mask, interpret=interpret)
@@ -390,7 +393,7 @@ def run_attention(suite: str, cfg: dict, stream=sys.stderr) -> list[dict]:
         if t >= cfg.get("flex_masks_min_seq", 0):
             mask_list += [m for m in cfg.get("flex_masks", []) if m not in mask_list]
         for mask in mask_list:
-            mask_mod, causal, extra = _mask_mod(mask, t)
+            mask_mod, causal, extra = _mask_mod(mask, t, b)
             ident = dict(batch=b, lq=t, lkv=t, hq=hq, hkv=hkv, head_dim=d, mask=mask, dtype=dtype,
                          kv_mb=2 * b * hkv * t * d * jnp.dtype(dtype).itemsize / harness.MB, **extra)
             use_ref = t <= cfg["ref_max_seq"]
@@ -398,7 +401,7 @@ def run_attention(suite: str, cfg: dict, stream=sys.stderr) -> list[dict]:
                         attention_reference(mask_mod, None) if use_ref else None,
                         None if use_ref else f"no reference: seq {t} > ref_max_seq {cfg['ref_max_seq']}")
             for mode, impl in itertools.product(cfg["modes"], cfg["impls"]):
-                runner = _attention_runner(impl, mask_mod=mask_mod, causal=causal, lq=t, lkv=t, mask=mask,
+                runner = _attention_runner(impl, mask_mod=mask_mod, causal=causal, batch=b, lq=t, lkv=t, mask=mask,
                                            interpret=_interpret(cfg, "flex_attention", impl.removeprefix("flex_")))
                 if runner is None:
                     continue

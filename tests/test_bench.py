@@ -1,0 +1,271 @@
+"""The benchmark (python -m flashlax.bench): results schema on a tiny run of every suite, error rows for GPU
+kernels on CPU, the timing/error helpers, --report (table + PNG) and --compare."""
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import flashlax
+from flashlax.bench import cli, harness, report
+
+from conftest import TOLERANCES, rel_err as conftest_rel_err
+
+DEVICE_TYPES = {"jax": str, "backend": str, "devices": list, "python": str, "device_kind": str,
+                "gpu": (str, type(None)), "driver": (str, type(None)), "gpu_memory_gb": (float, type(None)),
+                "torch": (str, type(None)), "torch_cuda": (str, type(None))}
+IDENTITY = {
+    "linear": {"batch": int, "heads": int, "seq": int, "dk": int, "dv": int, "chunk_size": int},
+    "gqa": {"batch": int, "lq": int, "lkv": int, "hq": int, "hkv": int, "head_dim": int, "mask": str},
+    "prefill": {"batch": int, "lq": int, "lkv": int, "hq": int, "hkv": int, "head_dim": int, "mask": str},
+    "decode": {"batch": int, "lq": int, "lkv": int, "hq": int, "hkv": int, "head_dim": int},
+}
+GRAD_NAMES = {"linear": {"q", "k", "v", "log_alpha", "beta"}}
+SHAPE_RE = re.compile(r"^[a-z0-9]+\[[0-9, ]*\]$")
+
+TINY = ["--batch", "1", "--heads", "2", "--dims", "8", "--repeats", "2", "--min-sample-s", "0.002"]
+SUITE_ARGS = {
+    "linear": ["--lengths", "40", "--impls", "recurrent", "chunked", "ssd"],
+    "gqa": ["--kv-heads", "1", "--lengths", "40", "--impls", "flex_native", "jax_xla", "flex_pallas",
+            "--masks", "causal"],
+    "prefill": ["--kv-heads", "1", "--lengths", "48", "--impls", "flex_native", "jax_xla", "--masks", "full",
+                "document", "--modes", "fwd"],
+    "decode": ["--kv-heads", "1", "--lengths", "96", "--q-lens", "3", "--impls", "flex_native", "jax_xla"],
+}
+
+
+def _op_works(suite: str) -> bool:
+    """True when flashlax's default path for the suite's op runs (ops still being written raise)."""
+    key = jax.random.PRNGKey(0)
+    x = jax.random.normal(key, (1, 2, 8, 8))
+    try:
+        if suite == "linear":
+            gate = -jnp.abs(jax.random.normal(key, (1, 2, 8)))
+            jax.jit(flashlax.gated_delta_rule)(x, x, x, gate, jax.nn.sigmoid(gate))
+        elif suite == "decode":
+            jax.jit(flashlax.decode_attention)(x[:, :, :2], x[:, :1], x[:, :1])
+        else:
+            jax.jit(lambda q, k, v: flashlax.flex_attention(q, k, v, mask_mod=flashlax.masks.causal))(
+                x, x[:, :1], x[:, :1])
+    except (NotImplementedError, ImportError):
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One tiny run of every suite through the CLI entry point (in process), results loaded back."""
+    out = {}
+    for suite, extra in SUITE_ARGS.items():
+        path = tmp_path_factory.mktemp("bench") / f"{suite}.json"
+        assert cli.main(["--suite", suite, *TINY, *extra, "--output", str(path)]) == 0
+        with open(path) as f:
+            out[suite] = json.load(f)
+    return out
+
+
+def _check_row(suite: str, row: dict) -> None:
+    assert row["suite"] == suite
+    assert isinstance(row["impl"], str) and row["mode"] in ("fwd", "fwd_bwd")
+    assert row["dtype"] in ("float32", "bfloat16", "float16")
+    for key, kind in IDENTITY[suite].items():
+        assert isinstance(row[key], kind), (key, row)
+    if "error" in row:
+        assert re.match(r"^[A-Za-z_][\w.]*: ", row["error"]), row["error"]
+        for key in harness.TIMING_KEYS:
+            assert key not in row, (key, row)
+        return
+    for key in harness.MEASURE_KEYS:
+        assert key in row, (key, row)
+    assert isinstance(row["compile_s"], float) and row["compile_s"] > 0
+    assert isinstance(row["inner"], int) and row["inner"] >= 1
+    assert 0 < row["q1_ms"] <= row["median_ms"] <= row["q3_ms"]
+    if row["impl"] != "torch_sdpa":
+        for key in harness.XLA_MEMORY_KEYS:
+            assert isinstance(row[key], float) and row[key] >= 0
+    if row["mode"] == "fwd":
+        assert row["residual_mb"] is None and row["residual_shapes"] is None and row["rel_err_grads"] is None
+    else:
+        assert isinstance(row["residual_mb"], float) and row["residual_mb"] >= 0
+        assert all(SHAPE_RE.match(s) for s in row["residual_shapes"]), row["residual_shapes"]
+        assert set(row["rel_err_grads"]) == GRAD_NAMES.get(suite, {"q", "k", "v"})
+    assert isinstance(row["rel_err"], float) and row["rel_err"] <= 10 * TOLERANCES[row["dtype"]], row
+    if suite == "linear":
+        assert row["kv_mb"] is None
+    else:
+        itemsize = np.dtype(jnp.dtype(row["dtype"])).itemsize
+        expect = 2 * row["batch"] * row["hkv"] * row["lkv"] * row["head_dim"] * itemsize / harness.MB
+        assert row["kv_mb"] == pytest.approx(expect)
+
+
+@pytest.mark.parametrize("suite", list(SUITE_ARGS))
+def test_schema(runs, suite):
+    data = runs[suite]
+    assert set(data) >= {"device", "config", "results"}
+    for key, kind in DEVICE_TYPES.items():
+        assert isinstance(data["device"][key], kind), (key, data["device"])
+    assert data["device"]["backend"] == "cpu"
+    assert data["config"]["suite"] == suite and data["config"]["device"] == "cpu"
+    rows = data["results"]
+    assert rows
+    for row in rows:
+        _check_row(suite, row)
+    # The jax peer always runs; flashlax's own default path must run once its op is written.
+    working = {"jax_xla"} if suite != "linear" else {"recurrent"}
+    if _op_works(suite):
+        working |= {"flex_native"} if suite != "linear" else {"chunked"}
+    for row in rows:
+        if row["impl"] in working:
+            assert "error" not in row, row
+    modes = set(data["config"]["modes"])
+    assert {r["mode"] for r in rows} == modes
+
+
+def test_linear_rows_shapes_and_arg_bytes(runs):
+    """XLA's argument size of a forward is exactly the inputs: q, k, v, log_alpha, beta."""
+    rows = [r for r in runs["linear"]["results"] if "error" not in r and r["mode"] == "fwd"]
+    assert rows
+    for row in rows:
+        b, h, t, dk, dv = row["batch"], row["heads"], row["seq"], row["dk"], row["dv"]
+        assert (b, h, t, dk, dv) == (1, 2, 40, 8, 8)
+        assert row["xla_arg_mb"] * harness.MB == pytest.approx(4 * (2 * b * h * t * dk + b * h * t * dv + 2 * b * h * t))
+
+
+def test_gpu_kernels_give_error_rows_on_cpu(runs):
+    ssd = [r for r in runs["linear"]["results"] if r["impl"] == "ssd"]
+    pallas = [r for r in runs["gqa"]["results"] if r["impl"] == "flex_pallas"]
+    assert len(ssd) == 2 and len(pallas) == 2
+    for row in ssd:
+        assert row["error"] == "RuntimeError: ssd requires an accelerator backend."
+    for row in pallas:
+        assert row["error"].startswith("RuntimeError: ") and "accelerator" in row["error"]
+
+
+def test_prefill_flex_masks_and_decode_num_splits(runs):
+    prefill = runs["prefill"]["results"]
+    assert {r["mask"] for r in prefill if r["impl"] == "flex_native"} == {"full", "document"}
+    assert {r["mask"] for r in prefill if r["impl"] == "jax_xla"} == {"full"}  # flex-only mask: no peer row
+    for row in runs["decode"]["results"]:
+        assert row["lq"] == 3 and row["lkv"] == 96
+        if row["impl"] == "flex_native" and "error" not in row:
+            assert "num_splits" in row and (row["num_splits"] is None or row["num_splits"] >= 1)
+
+
+def test_error_row_from_raising_impl():
+    """An implementation that raises gives a row with `error`, not a crash; the run goes on."""
+    from flashlax.bench import peers, suites
+
+    case = suites.Case("gqa", {"batch": 1}, [suites.attention_inputs(0, 1, 2, 1, 8, 8, 4, jnp.float32)],
+                       suites.ATTENTION_GRAD_NAMES, None)
+    row = suites.measure(case, peers.unavailable("x", ValueError("bad q shape (1, 2)")), "fwd", repeats=1,
+                         min_sample_s=0.0)
+    assert row["error"] == "ValueError: bad q shape (1, 2)" and "median_ms" not in row
+
+
+def test_time_calls_inner_and_quartiles():
+    def sleep_1ms(_):
+        time.sleep(0.001)
+
+    timing = harness.time_calls(sleep_1ms, [None], repeats=3, sync=lambda x: x, min_sample_s=0.01)
+    assert timing["inner"] >= 3  # one sample spans >= ~10 ms of 1 ms calls
+    assert 1.0 <= timing["median_ms"] < 50
+    assert timing["q1_ms"] <= timing["median_ms"] <= timing["q3_ms"]
+    assert harness.quartiles([4.0, 1.0, 3.0, 2.0, 5.0]) == (3.0, 2.0, 4.0)
+
+
+def test_rel_err_and_errors_against():
+    rng = np.random.default_rng(0)
+    ref = rng.standard_normal((3, 5))
+    x = ref + 1e-3 * rng.standard_normal((3, 5))
+    assert harness.rel_err(x, ref) == pytest.approx(conftest_rel_err(x, ref))
+    assert harness.rel_err(np.full_like(ref, np.nan), ref) == math.inf
+    grads = {"q": x, "k": ref}
+    got = harness.errors_against(x, grads, ref, {"q": ref, "k": ref})
+    assert got["rel_err_grads"]["k"] == 0.0
+    assert got["rel_err"] == pytest.approx(harness.rel_err(x, ref))
+    assert harness.json_safe({"a": [np.float32(1.5), math.inf]}) == {"a": [1.5, "inf"]}
+
+
+def test_residuals_fallback_excludes_inputs():
+    """sin(x) * y keeps cos(x) (or sin and cos) for the backward, never y itself."""
+    n = 7
+
+    def fn(x, y):
+        return jnp.sin(x) * y
+
+    total, shapes = harness._residuals_from_vjp_closure(fn, jnp.ones(n), jnp.ones(n))
+    assert total >= 4 * n and total % (4 * n) == 0
+    assert all(s == f"float32[{n}]" for s in shapes)
+    big = harness._residuals_from_vjp_closure(lambda x: jnp.sum(jnp.exp(x) ** 2), jnp.ones((64, 64)))
+    assert big[0] >= 64 * 64 * 4
+
+
+def _synthetic(times: dict[str, float], scale: float = 1.0) -> dict:
+    rows = []
+    for seq in (128, 256):
+        for impl, ms in times.items():
+            rows.append({"suite": "gqa", "impl": impl, "mode": "fwd", "batch": 1, "lq": seq, "lkv": seq, "hq": 4,
+                         "hkv": 2, "head_dim": 16, "mask": "causal", "dtype": "float32", "compile_s": 0.1,
+                         "inner": 1, "median_ms": ms * scale * seq / 128, "q1_ms": ms, "q3_ms": ms,
+                         "xla_temp_mb": 0.0, "xla_arg_mb": 0.0, "xla_out_mb": 0.0, "residual_mb": None,
+                         "residual_shapes": None, "kv_mb": 0.1, "rel_err": 1e-7, "rel_err_grads": None})
+    rows.append({"suite": "gqa", "impl": "flex_pallas", "mode": "fwd", "batch": 1, "lq": 128, "lkv": 128,
+                 "hq": 4, "hkv": 2, "head_dim": 16, "mask": "causal", "dtype": "float32",
+                 "error": "RuntimeError: pallas requires an accelerator backend."})
+    return {"device": {"backend": "cpu", "device_kind": "cpu", "jax": jax.__version__}, "config": {},
+            "results": rows}
+
+
+def test_report_table_and_png(tmp_path, capsys):
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(_synthetic({"flex_native": 2.0, "jax_xla": 5.0})))
+    assert cli.main(["--report", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "| flex_native | jax_xla | flex_pallas |" in out
+    assert "2 (1.00) | 5 (2.50) | error |" in out  # ratio to the fastest peer of that shape
+    png = tmp_path / "r.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
+def test_compare_ratio_per_row(tmp_path, capsys):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(_synthetic({"flex_native": 2.0, "jax_xla": 5.0})))
+    b.write_text(json.dumps(_synthetic({"flex_native": 2.0, "jax_xla": 5.0}, scale=0.5)))
+    assert cli.main(["--compare", str(a), str(b)]) == 0
+    out = capsys.readouterr().out
+    ratios = [line.rsplit("|", 2)[-2].strip() for line in out.splitlines() if "| fwd |" in line]
+    assert ratios == ["0.50"] * 4 + ["-"]
+
+
+def test_module_entry_point_writes_file(tmp_path):
+    """`python -m flashlax.bench --device cpu ...` in a fresh process: exit 0, JSON written, table printed."""
+    path = tmp_path / "d.json"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-m", "flashlax.bench", "--suite", "decode", "--device", "cpu", *TINY,
+                           "--kv-heads", "1", "--lengths", "64", "--q-lens", "1", "--impls", "jax_xla",
+                           "--output", str(path)], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "| jax_xla | B1 Lq1 L64 Hq2/1 D8 f32 | fwd |" in proc.stdout
+    rows = json.loads(path.read_text())["results"]
+    assert len(rows) == 1 and rows[0]["rel_err"] < TOLERANCES["float32"]
+
+
+@pytest.mark.slow
+def test_quick_main_job(tmp_path):
+    """The main job end to end (about a minute on 2 cores)."""
+    path = tmp_path / "quick.json"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-m", "flashlax.bench", "--quick", "--output", str(path)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "Error against the float64 reference" in proc.stdout
+    data = json.loads(path.read_text())
+    assert {r["suite"] for r in data["results"]} == {"linear", "gqa", "decode"}
