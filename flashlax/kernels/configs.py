@@ -29,12 +29,19 @@ SMEM_LIMITS: dict[str, int] = {
 @dataclasses.dataclass(frozen=True)
 class FlashConfig:
     """Forward kernel launch parameters: a program owns ``block_q`` query rows of one head and steps
-    through the KV sequence ``block_kv`` keys at a time; Triton ``num_warps`` / ``num_stages``."""
+    through the KV sequence ``block_kv`` keys at a time; Triton ``num_warps`` / ``num_stages``.
+
+    pack_gqa: GQA strategy. False: one query head per program, the G heads of a KV group run as
+    neighbouring programs and share K/V tiles through L2. True: one program holds the G heads of a KV
+    group (block_q // G rows each) so every K/V tile is loaded once for all of them; used when G is a
+    power of two, block_q // G >= 16 and the block mask does not depend on the head.
+    """
 
     block_q: int = 64
     block_kv: int = 64
     num_warps: int = 4
     num_stages: int = 2
+    pack_gqa: bool = False
 
     def __post_init__(self):
         for name in ("block_q", "block_kv"):

@@ -50,6 +50,7 @@ class _Static:
     return_lse: bool
     interpret: bool
     reverse_q: bool
+    pack: int = 1          # query heads per program: 1 (grid over Hq) or G (a KV group shares K/V loads)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -69,15 +70,25 @@ def _fwd_kernel(*refs, st: _Static, n_cap: int, bm_dep: bool, hm_dep: bool, lq: 
     o_ref, lse_ref = refs[pos + n_cap:]
     score_caps, mask_caps = cap_refs[:st.n_score_cap], cap_refs[st.n_score_cap:]
 
-    h = pl.program_id(0)
+    gp = st.pack                          # query heads per program (1: one head, G: a whole KV group)
+    bqh = bq // gp                        # query rows per head
     iq = pl.program_id(1)
     if st.reverse_q:                       # heaviest (causal: longest) rows first
         iq = nq - 1 - iq
     b = pl.program_id(2)
     dp, dvp = pow2(d), pow2(dv)
-    q_start = pl.multiple_of(iq * bq, bq)
-    q = _tiles.load_tile(q_ref, q_start, bq, lq, dp, d)
-    q_idx = q_start + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
+    q_start = pl.multiple_of(iq * bqh, bqh)
+    if gp == 1:
+        h = pl.program_id(0)
+        q = _tiles.load_tile(q_ref, q_start, bq, lq, dp, d)
+        q_idx = q_start + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
+    else:
+        # Rows g * bqh + i hold query i of head hkv * G + g: one K/V tile load serves the whole group.
+        row = lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
+        h = pl.program_id(0) * gp + row // bqh
+        q_idx = q_start + row % bqh
+        q = plgpu.load(q_ref.at[:, pl.ds(q_start, bqh), pl.ds(0, dp)], mask=_mask3(gp, q_start, bqh, lq, dp, d),
+                       other=0.0).reshape(bq, dp)
     precision = _tiles.dot_precision(q.dtype)
     kv_ragged = lkv % bkv != 0
 
@@ -118,8 +129,20 @@ def _fwd_kernel(*refs, st: _Static, n_cap: int, bm_dep: bool, hm_dep: bool, lq: 
 
     m, l, acc = carry
     out, lse = _tiles.softmax_finalize(acc, m, l)
-    _tiles.store_tile(o_ref, q_start, out, lq, dv)
-    _tiles.store_vec(lse_ref, q_start, lse, lq)
+    if gp == 1:
+        _tiles.store_tile(o_ref, q_start, out, lq, dv)
+        _tiles.store_vec(lse_ref, q_start, lse, lq)
+    else:
+        plgpu.store(o_ref.at[:, pl.ds(q_start, bqh), pl.ds(0, dvp)], out.reshape(gp, bqh, dvp).astype(o_ref.dtype),
+                    mask=_mask3(gp, q_start, bqh, lq, dvp, dv))
+        rows_ok = jnp.broadcast_to(_tiles.row_mask(q_start, bqh, lq)[None, :], (gp, bqh))
+        plgpu.store(lse_ref.at[:, pl.ds(q_start, bqh)], lse.reshape(gp, bqh), mask=rows_ok)
+
+
+def _mask3(gp, start, rows, n_rows, cols, n_cols):
+    """bool [gp, rows, cols]: in-range rows (start + i < n_rows) and columns (< n_cols) of a head group."""
+    ok = _tiles.row_mask(start, rows, n_rows)[None, :, None] & (jnp.arange(cols) < n_cols)[None, None, :]
+    return jnp.broadcast_to(ok, (gp, rows, cols))
 
 
 def _forward_call(st: _Static, q, k, v, bm: masks_lib.BlockMask | None, captured):
@@ -128,14 +151,17 @@ def _forward_call(st: _Static, q, k, v, bm: masks_lib.BlockMask | None, captured
     _, hkv, lkv, dv = v.shape
     groups = hq // hkv
     cfg = st.config
-    nq, nkv = pl.cdiv(lq, cfg.block_q), pl.cdiv(lkv, cfg.block_kv)
+    gp = st.pack
+    nq, nkv = pl.cdiv(lq, cfg.block_q // gp), pl.cdiv(lkv, cfg.block_kv)
     dp, dvp = pow2(d), pow2(dv)
     rev = (lambda i: nq - 1 - i) if st.reverse_q else (lambda i: i)
+    kv_head = (lambda h: h // groups) if gp == 1 else (lambda h: h)
+    qh = None if gp == 1 else gp
 
     in_specs = [
-        pl.BlockSpec((None, None, lq, dp), lambda h, i, b: (b, h, 0, 0)),
-        pl.BlockSpec((None, None, lkv, dp), lambda h, i, b: (b, h // groups, 0, 0)),
-        pl.BlockSpec((None, None, lkv, dvp), lambda h, i, b: (b, h // groups, 0, 0)),
+        pl.BlockSpec((None, qh, lq, dp), lambda h, i, b: (b, h, 0, 0)),
+        pl.BlockSpec((None, None, lkv, dp), lambda h, i, b: (b, kv_head(h), 0, 0)),
+        pl.BlockSpec((None, None, lkv, dvp), lambda h, i, b: (b, kv_head(h), 0, 0)),
     ]
     args = [q, k, v]
     bm_dep = hm_dep = False
@@ -154,10 +180,10 @@ def _forward_call(st: _Static, q, k, v, bm: masks_lib.BlockMask | None, captured
                                lq=lq, lkv=lkv, d=d, dv=dv, nq=nq, nkv=nkv)
     out, lse = pl.pallas_call(
         kernel,
-        grid=(hq, nq, bsz),
+        grid=(hq // gp, nq, bsz),
         in_specs=in_specs,
-        out_specs=[pl.BlockSpec((None, None, lq, dvp), lambda h, i, b: (b, h, 0, 0)),
-                   pl.BlockSpec((None, None, lq), lambda h, i, b: (b, h, 0))],
+        out_specs=[pl.BlockSpec((None, qh, lq, dvp), lambda h, i, b: (b, h, 0, 0)),
+                   pl.BlockSpec((None, qh, lq), lambda h, i, b: (b, h, 0))],
         out_shape=[jax.ShapeDtypeStruct((bsz, hq, lq, dv), q.dtype),
                    jax.ShapeDtypeStruct((bsz, hq, lq), jnp.float32)],
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
@@ -283,34 +309,27 @@ def _check_inputs(q, k, v):
         raise ValueError(f"flex_attention_pallas: head dims must be 1..256, got q {q.shape}, v {v.shape}")
 
 
-def _resolve_block_mask(block_mask, mask_mod, cfg: FlashConfig, bsz, hq, lq, lkv, fits: Callable):
-    """Returns (block_mask or None, config): a block mask whose tiles are the kernel's tiles."""
+def _resolve_block_mask(block_mask, mask_mod, cfg: FlashConfig, pack: int, bsz, hq, lq, lkv, fits: Callable):
+    """Returns (block_mask or None, config): a block mask whose tiles are the kernel's tiles
+    (block_q // pack query rows per head, block_kv keys)."""
     if block_mask is None:
         if mask_mod is None:
             return None, cfg
         b_dim, h_dim = _mod_extent(mask_mod, bsz, hq)
-        return masks_lib.create_block_mask(mask_mod, b_dim, h_dim, lq, lkv, block_q=cfg.block_q,
+        return masks_lib.create_block_mask(mask_mod, b_dim, h_dim, lq, lkv, block_q=cfg.block_q // pack,
                                            block_kv=cfg.block_kv), cfg
-    if not isinstance(block_mask, masks_lib.BlockMask):
-        raise ValueError(f"flex_attention_pallas: block_mask must be a BlockMask or None, got "
-                         f"{type(block_mask).__name__}")
     bm_b, bm_h, bm_q, bm_kv = block_mask.shape
-    if bm_q != lq or bm_kv != lkv or bm_b not in (1, bsz) or bm_h not in (1, hq):
-        raise ValueError(f"flex_attention_pallas: block_mask of shape {block_mask.shape} does not fit "
-                         f"B={bsz}, Hq={hq}, Lq={lq}, Lkv={lkv} (needs (1 or B, 1 or Hq, Lq, Lkv))")
     tiles = (block_mask.block_q, block_mask.block_kv)
-    if all(t in _SUPPORTED_TILES for t in tiles):
-        tuned = dataclasses.replace(cfg, block_q=tiles[0], block_kv=tiles[1])
+    if tiles[0] * pack in _SUPPORTED_TILES and tiles[1] in _SUPPORTED_TILES:
+        tuned = dataclasses.replace(cfg, block_q=tiles[0] * pack, block_kv=tiles[1])
         if fits(tuned):
             return block_mask, tuned
     if mask_mod is None:
         raise ValueError(f"flex_attention_pallas: block_mask tiles {tiles} are not a supported kernel tile "
                          f"(powers of two 16..256 within the shared-memory budget) and there is no mask_mod "
-                         f"to rebuild it with tiles ({cfg.block_q}, {cfg.block_kv})")
-    b_dim = bsz if bm_b > 1 else None
-    h_dim = hq if bm_h > 1 else None
-    return masks_lib.create_block_mask(mask_mod, b_dim, h_dim, lq, lkv, block_q=cfg.block_q,
-                                       block_kv=cfg.block_kv), cfg
+                         f"to rebuild it with tiles ({cfg.block_q // pack}, {cfg.block_kv})")
+    return masks_lib.create_block_mask(mask_mod, bsz if bm_b > 1 else None, hq if bm_h > 1 else None, lq, lkv,
+                                       block_q=cfg.block_q // pack, block_kv=cfg.block_kv), cfg
 
 
 def flex_attention_pallas(q, k, v, *, score_mod=None, mask_mod=None, block_mask=None, scale=None,
@@ -338,7 +357,9 @@ def flex_attention_pallas(q, k, v, *, score_mod=None, mask_mod=None, block_mask=
     check_config(cfg, d, dv, q.dtype, kind)
     if config is None:
         # Do not launch tiles far longer than the sequence (tiny inputs).
-        cfg = dataclasses.replace(cfg, block_q=min(cfg.block_q, max(16, pow2(lq))),
+        groups = hq // k.shape[1]
+        rows = max(16, pow2(lq) * (groups if cfg.pack_gqa else 1))
+        cfg = dataclasses.replace(cfg, block_q=min(cfg.block_q, rows),
                                   block_kv=min(cfg.block_kv, max(16, pow2(lkv))))
 
     def fits(c):
@@ -348,7 +369,21 @@ def flex_attention_pallas(q, k, v, *, score_mod=None, mask_mod=None, block_mask=
         except ValueError:
             return False
 
-    bm, cfg = _resolve_block_mask(block_mask, mask_mod, cfg, bsz, hq, lq, lkv, fits)
+    if block_mask is not None:
+        if not isinstance(block_mask, masks_lib.BlockMask):
+            raise ValueError(f"flex_attention_pallas: block_mask must be a BlockMask or None, got "
+                             f"{type(block_mask).__name__}")
+        bm_b, bm_h, bm_q, bm_kv = block_mask.shape
+        if bm_q != lq or bm_kv != lkv or bm_b not in (1, bsz) or bm_h not in (1, hq):
+            raise ValueError(f"flex_attention_pallas: block_mask of shape {block_mask.shape} does not fit "
+                             f"q {q.shape}, k {k.shape} (needs (1 or B, 1 or Hq, Lq, Lkv))")
+        head_dep = bm_h > 1
+    else:
+        head_dep = mask_mod is not None and _mod_extent(mask_mod, bsz, hq)[1] is not None
+    groups = hq // k.shape[1]
+    pack = groups if (cfg.pack_gqa and groups > 1 and groups & (groups - 1) == 0
+                      and cfg.block_q // groups >= 16 and not head_dep) else 1
+    bm, cfg = _resolve_block_mask(block_mask, mask_mod, cfg, pack, bsz, hq, lq, lkv, fits)
     try:
         score_tm = TileMod.make(score_mod, "score")
         mask_tm = TileMod.make(mask_mod, "mask") if bm is not None and mask_mod is not None else None
@@ -363,6 +398,6 @@ def flex_attention_pallas(q, k, v, *, score_mod=None, mask_mod=None, block_mask=
     st = _Static(config=cfg, scale=scale, score_mod=score_tm, mask_mod=mask_tm,
                  n_score_cap=score_tm.num_captured if score_tm else 0, has_block_mask=bm is not None,
                  return_lse=bool(return_lse), interpret=bool(interpret),
-                 reverse_q=bm is not None)
+                 reverse_q=bm is not None, pack=pack)
     out, lse = _flash(st, q, k, v, bm, captured)
     return (out, lse) if return_lse else out
