@@ -152,30 +152,25 @@ def decode_runner(name: str, *, scale: float | None = None, interpret: bool = Fa
     return Runner(name, fn, extra={"interpret": True} if interpret else {})
 
 
-def chosen_num_splits(q_shape, k_shape, dtype) -> int | None:
-    """The num_splits decode_attention picks for this shape on this device, when the module exposes its
-    chooser (looked up by the names it might have), else None."""
+def chosen_num_splits(impl: str | None, batch: int, kv_heads: int, max_len: int) -> int | None:
+    """The num_splits decode_attention picks when ``num_splits=None``: ``choose_num_splits(batch, kv_heads,
+    max_len)`` of the module that implements ``impl`` (default: the backend's), else of the XLA fallback;
+    None when neither exposes one."""
     import importlib  # noqa: PLC0415
 
-    for module_name in ("flashlax.decoding", "flashlax.fallbacks.decode", "flashlax.kernels.decode"):
+    name = impl or dispatch.default_impl("decode_attention")
+    modules = []
+    entry = dispatch.TABLE["decode_attention"].get(name)
+    if entry is not None:
+        modules.append(entry.target.partition(":")[0])
+    modules.append("flashlax.fallbacks.decode")
+    for module_name in modules:
         try:
-            module = importlib.import_module(module_name)
+            chooser = getattr(importlib.import_module(module_name), "choose_num_splits", None)
+            if chooser is not None:
+                return int(chooser(batch, kv_heads, max_len))
         except Exception:
             continue
-        for attr in ("choose_num_splits", "default_num_splits", "pick_num_splits", "select_num_splits",
-                     "num_splits_for"):
-            chooser = getattr(module, attr, None)
-            if chooser is None:
-                continue
-            for call in (lambda: chooser(q_shape, k_shape, dtype), lambda: chooser(q_shape, k_shape),
-                         lambda: chooser(batch=q_shape[0], num_kv_heads=k_shape[1], q_len=q_shape[2],
-                                         kv_len=k_shape[2])):
-                try:
-                    value = call()
-                except Exception:
-                    continue
-                if isinstance(value, (int, np.integer)):
-                    return int(value)
     return None
 
 

@@ -444,8 +444,8 @@ def run_decode(cfg: dict, stream=sys.stderr) -> list[dict]:
             if impl == "flex_native" or impl.startswith("decode_"):
                 runner = peers.decode_runner(impl, interpret=_interpret(cfg, "decode_attention",
                                                                         impl.removeprefix("decode_")))
-                runner.extra["num_splits"] = peers.chosen_num_splits((b, hq, lq, d), (b, hkv, lkv, d),
-                                                                     jnp.dtype(dtype))
+                runner.extra["num_splits"] = peers.chosen_num_splits(
+                    None if impl == "flex_native" else impl.removeprefix("decode_"), b, hkv, lkv)
             elif impl.startswith("flex_"):
                 runner = peers.flex_runner(impl, mask_mod=mask_mod, interpret=_interpret(
                     cfg, "flex_attention", impl.removeprefix("flex_")))
