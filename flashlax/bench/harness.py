@@ -140,34 +140,53 @@ def quartiles(samples_ms: Sequence[float]) -> tuple[float, float, float]:
     return q2, q1, q3
 
 
-def time_calls(call: Callable[[Any], Any], arg_sets: Sequence[Any], *, repeats: int, sync: Callable = _block,
-               min_sample_s: float = 0.05, max_inner: int = 1000) -> dict[str, Any]:
-    """Times ``call(args)`` rotating through ``arg_sets``: one warm-up call per set (its time is not used),
-    a probe that picks ``inner`` so one sample lasts about ``min_sample_s`` (well above timer resolution
-    and launch jitter), then ``repeats`` samples of ``inner`` calls each, synchronised by ``sync`` once per
-    sample. Returns ``inner``, ``median_ms``, ``q1_ms``, ``q3_ms`` (per call)."""
-    for args in arg_sets:
-        sync(call(args))
-    start = time.perf_counter()
-    sync(call(arg_sets[0]))
-    probe_s = max(time.perf_counter() - start, 1e-7)
-    inner = int(min(max_inner, max(1, math.ceil(min_sample_s / probe_s))))
-    samples = []
-    for _ in range(max(1, repeats)):
+class Timer:
+    """Times ``call(args)`` rotating through ``arg_sets``. On creation: one warm-up call per set (not used),
+    then a probe that picks ``inner`` so one sample lasts about ``min_sample_s`` (well above timer
+    resolution and launch jitter). Each :meth:`sample` runs ``inner`` calls back to back and synchronises
+    once with ``sync``. Samples of several timers may be interleaved (suites do, round-robin over the
+    implementations of one shape, so load changes on a shared machine hit every peer alike)."""
+
+    def __init__(self, call: Callable[[Any], Any], arg_sets: Sequence[Any], *, sync: Callable = _block,
+                 min_sample_s: float = 0.05, max_inner: int = 1000):
+        self.call, self.arg_sets, self.sync = call, arg_sets, sync
+        for args in arg_sets:
+            sync(call(args))
+        start = time.perf_counter()
+        sync(call(arg_sets[0]))
+        probe_s = max(time.perf_counter() - start, 1e-7)
+        self.inner = int(min(max_inner, max(1, math.ceil(min_sample_s / probe_s))))
+        self.samples_ms: list[float] = []
+
+    def sample(self) -> float:
         start = time.perf_counter()
         out = None
-        for i in range(inner):
-            out = call(arg_sets[i % len(arg_sets)])
-        sync(out)
-        samples.append((time.perf_counter() - start) * 1e3 / inner)
-    median, q1, q3 = quartiles(samples)
-    return {"inner": inner, "median_ms": median, "q1_ms": q1, "q3_ms": q3}
+        for i in range(self.inner):
+            out = self.call(self.arg_sets[i % len(self.arg_sets)])
+        self.sync(out)
+        self.samples_ms.append((time.perf_counter() - start) * 1e3 / self.inner)
+        return self.samples_ms[-1]
+
+    def fields(self) -> dict[str, Any]:
+        """``inner``, ``median_ms``, ``q1_ms``, ``q3_ms`` (per call)."""
+        median, q1, q3 = quartiles(self.samples_ms)
+        return {"inner": self.inner, "median_ms": median, "q1_ms": q1, "q3_ms": q3}
 
 
-def compile_and_time(fn: Callable, arg_sets: Sequence[tuple], *, repeats: int,
-                     min_sample_s: float = 0.05) -> tuple[dict[str, Any], Any]:
+def time_calls(call: Callable[[Any], Any], arg_sets: Sequence[Any], *, repeats: int, sync: Callable = _block,
+               min_sample_s: float = 0.05, max_inner: int = 1000) -> dict[str, Any]:
+    """A :class:`Timer` and ``repeats`` samples in a row: ``inner``, ``median_ms``, ``q1_ms``, ``q3_ms``."""
+    timer = Timer(call, arg_sets, sync=sync, min_sample_s=min_sample_s, max_inner=max_inner)
+    for _ in range(max(1, repeats)):
+        timer.sample()
+    return timer.fields()
+
+
+def compile_for_timing(fn: Callable, arg_sets: Sequence[tuple], *,
+                       min_sample_s: float = 0.05) -> tuple[dict[str, Any], Any, Timer]:
     """jit-compiles ``fn`` (compile time measured on its own: lower + compile, no execution), reads XLA's
-    memory analysis of the executable, times it and returns ``(fields, output of the first input set)``."""
+    memory analysis of the executable, runs it on the first input set and sets up a :class:`Timer`.
+    Returns ``(fields, output of the first input set, timer)``."""
     jitted = jax.jit(fn)
     start = time.perf_counter()
     compiled = jitted.lower(*arg_sets[0]).compile()
@@ -175,7 +194,17 @@ def compile_and_time(fn: Callable, arg_sets: Sequence[tuple], *, repeats: int,
     fields: dict[str, Any] = {"compile_s": compile_s}
     fields.update(xla_memory(compiled))
     out = _block(compiled(*arg_sets[0]))
-    fields.update(time_calls(lambda args: compiled(*args), arg_sets, repeats=repeats, min_sample_s=min_sample_s))
+    timer = Timer(lambda args: compiled(*args), arg_sets, min_sample_s=min_sample_s)
+    return fields, out, timer
+
+
+def compile_and_time(fn: Callable, arg_sets: Sequence[tuple], *, repeats: int,
+                     min_sample_s: float = 0.05) -> tuple[dict[str, Any], Any]:
+    """:func:`compile_for_timing` and ``repeats`` samples in a row: ``(fields, output of the first set)``."""
+    fields, out, timer = compile_for_timing(fn, arg_sets, min_sample_s=min_sample_s)
+    for _ in range(max(1, repeats)):
+        timer.sample()
+    fields.update(timer.fields())
     return fields, out
 
 

@@ -44,7 +44,8 @@ def _impls(op: str, prefix: str, gpu: bool, interpret: bool) -> list[str]:
 
 
 def configs(gpu: bool, interpret: bool, torch_available: bool) -> dict[str, dict[str, Any]]:
-    peers = ["jax_xla"] + (["jax_cudnn"] if gpu else []) + (["torch_sdpa"] if torch_available else [])
+    # float32 inputs, so no jax_cudnn (cuDNN attention takes bf16/fp16 only); the suites time it in bf16.
+    peers = ["jax_xla"] + (["torch_sdpa"] if torch_available else [])
     common = dict(repeats=3, min_sample_s=0.01, max_dense_gb=4.0, ref_dtype="float64", interpret=interpret)
     return {
         "linear": dict(LINEAR, impls=_impls("gated_delta_rule", "", gpu, interpret), **common),
@@ -54,14 +55,22 @@ def configs(gpu: bool, interpret: bool, torch_available: bool) -> dict[str, dict
     }
 
 
+PEERS = ("jax_xla", "jax_cudnn", "torch_sdpa")
+
+
 def _verdict(row: dict) -> str:
+    """ok / FAIL for flashlax's implementations; a peer's trouble is reported ("peer ...") but is not ours."""
+    peer = row["impl"] in PEERS
     if "error" in row:
-        unavailable = row["error"].startswith(UNAVAILABLE)
-        return "unavailable" if unavailable else "FAIL"
+        if row["error"].startswith(UNAVAILABLE):
+            return "unavailable"
+        return "peer error" if peer else "FAIL"
     err = row.get("rel_err")
-    if not isinstance(err, float):
-        return "FAIL" if err is not None else "no ref"
-    return "ok" if err <= TOLERANCE[row["dtype"]] else "FAIL"
+    if err is None:
+        return "no ref"
+    if isinstance(err, float) and err <= TOLERANCE[row["dtype"]]:
+        return "ok"
+    return "peer above tolerance" if peer else "FAIL"
 
 
 def error_table(rows: list[dict]) -> str:

@@ -82,32 +82,30 @@ class Case:
 # Measurement of one (case, runner, mode)
 
 
-def _measure_jax(case: Case, runner: peers.Runner, mode: str, repeats: int, min_sample_s: float) -> dict:
+def _start_jax(case: Case, runner: peers.Runner, mode: str, min_sample_s: float):
     n_inputs = len(case.grad_names)
     sets = [tuple(runner.prepare(x) for x in s) for s in case.arg_sets]
-    fields: dict[str, Any] = {}
     if mode == "fwd":
-        timing, out = harness.compile_and_time(runner.fn, [s[:n_inputs] for s in sets], repeats=repeats,
-                                               min_sample_s=min_sample_s)
-        grads = None
-        fields.update(timing, residual_mb=None, residual_shapes=None)
-    else:
-        def fwd_bwd(*args):
-            out, vjp = jax.vjp(runner.fn, *args[:n_inputs])
-            return out, vjp(args[n_inputs])
+        fields, out, timer = harness.compile_for_timing(runner.fn, [s[:n_inputs] for s in sets],
+                                                        min_sample_s=min_sample_s)
+        fields.update(residual_mb=None, residual_shapes=None)
+        return fields, runner.finish(out), None, timer
 
-        timing, (out, grads) = harness.compile_and_time(fwd_bwd, sets, repeats=repeats, min_sample_s=min_sample_s)
-        fields.update(timing)
-        try:
-            residual_mb, residual_shapes, source = harness.residuals(runner.fn, *sets[0][:n_inputs])
-            fields.update(residual_mb=residual_mb, residual_shapes=residual_shapes)
-        except Exception as exc:  # a measurement failure must not lose the timing
-            fields.update(residual_mb=None, residual_shapes=None, residual_note=harness.error_text(exc))
-        grads = {name: runner.finish(g) for name, g in zip(case.grad_names, grads)}
-    return fields, runner.finish(out), grads
+    def fwd_bwd(*args):
+        out, vjp = jax.vjp(runner.fn, *args[:n_inputs])
+        return out, vjp(args[n_inputs])
+
+    fields, (out, grads), timer = harness.compile_for_timing(fwd_bwd, sets, min_sample_s=min_sample_s)
+    try:
+        residual_mb, residual_shapes, _ = harness.residuals(runner.fn, *sets[0][:n_inputs])
+        fields.update(residual_mb=residual_mb, residual_shapes=residual_shapes)
+    except Exception as exc:  # a measurement failure must not lose the timing
+        fields.update(residual_mb=None, residual_shapes=None, residual_note=harness.error_text(exc))
+    grads = {name: runner.finish(g) for name, g in zip(case.grad_names, grads)}
+    return fields, runner.finish(out), grads, timer
 
 
-def _measure_torch(case: Case, runner: peers.Runner, mode: str, repeats: int, min_sample_s: float) -> dict:
+def _start_torch(case: Case, runner: peers.Runner, mode: str, min_sample_s: float):
     torch = harness.torch_module()
     n_inputs = len(case.grad_names)
     sync = peers.torch_sync(runner.extra.get("torch_device", "cpu"))
@@ -126,23 +124,24 @@ def _measure_torch(case: Case, runner: peers.Runner, mode: str, repeats: int, mi
     result = sync(call(sets[0]))
     fields: dict[str, Any] = {"compile_s": time.perf_counter() - start}
     fields.update(dict.fromkeys(harness.XLA_MEMORY_KEYS))
-    fields.update(harness.time_calls(call, sets, repeats=repeats, sync=sync, min_sample_s=min_sample_s))
     fields.update(residual_mb=None, residual_shapes=None)
+    timer = harness.Timer(call, sets, sync=sync, min_sample_s=min_sample_s)
     if mode == "fwd":
-        return fields, runner.finish(result), None
+        return fields, runner.finish(result), None, timer
     out, grads = result
-    return fields, runner.finish(out), {name: runner.finish(g) for name, g in zip(case.grad_names, grads)}
+    return fields, runner.finish(out), {name: runner.finish(g) for name, g in zip(case.grad_names, grads)}, timer
 
 
-def measure(case: Case, runner: peers.Runner, mode: str, *, repeats: int, min_sample_s: float) -> dict:
-    """One row. Any exception of the implementation becomes ``error``; the run goes on."""
+def _start(case: Case, runner: peers.Runner, mode: str, min_sample_s: float):
+    """Compiles, checks against the reference and sets up timing: ``(row, timer)``; on an exception of the
+    implementation ``(row with error, None)``."""
     row: dict[str, Any] = {"suite": case.suite, "impl": runner.name, "mode": mode, **case.ident}
     try:
-        measure_fn = _measure_torch if runner.kind == "torch" else _measure_jax
-        fields, out, grads = measure_fn(case, runner, mode, repeats, min_sample_s)
+        start_fn = _start_torch if runner.kind == "torch" else _start_jax
+        fields, out, grads, timer = start_fn(case, runner, mode, min_sample_s)
     except Exception as exc:
         row["error"] = harness.error_text(exc)
-        return row
+        return row, None
     row.update(fields)
     row.update({k: v for k, v in runner.extra.items() if k != "torch_device"})
     row["kv_mb"] = case.ident.get("kv_mb")  # K+V bytes for attention suites; null for linear
@@ -155,7 +154,36 @@ def measure(case: Case, runner: peers.Runner, mode: str, *, repeats: int, min_sa
     else:
         ref_out, ref_grads = ref
         row.update(harness.errors_against(out, grads, ref_out, ref_grads if mode == "fwd_bwd" else None))
-    return {k: row[k] for k in _ordered_keys(row)}
+    return row, timer
+
+
+def measure_case(case: Case, jobs: list[tuple[peers.Runner, str]], *, repeats: int,
+                 min_sample_s: float) -> list[dict]:
+    """One row per (runner, mode) of one shape. All are compiled and checked first, then their timed
+    samples are interleaved round-robin, so ratios between peers survive load changes on a shared machine.
+    Any exception of an implementation becomes that row's ``error``; the run goes on."""
+    started = [_start(case, runner, mode, min_sample_s) for runner, mode in jobs]
+    for _ in range(max(1, repeats)):
+        for i, (row, timer) in enumerate(started):
+            if timer is None:
+                continue
+            try:
+                timer.sample()
+            except Exception as exc:
+                error_row = {k: row[k] for k in ("suite", "impl", "mode", *case.ident)}
+                error_row["error"] = harness.error_text(exc)
+                started[i] = (error_row, None)
+    rows = []
+    for row, timer in started:
+        if timer is not None:
+            row.update(timer.fields())
+        rows.append({k: row[k] for k in _ordered_keys(row)})
+    return rows
+
+
+def measure(case: Case, runner: peers.Runner, mode: str, *, repeats: int, min_sample_s: float) -> dict:
+    """One row for one implementation (see :func:`measure_case`)."""
+    return measure_case(case, [(runner, mode)], repeats=repeats, min_sample_s=min_sample_s)[0]
 
 
 def _ordered_keys(row: dict) -> list[str]:
@@ -311,6 +339,13 @@ def _print_progress(row: dict, stream) -> None:
     print(f"  {row['impl']:<12} {row['mode']:<7} {shape}: {status}", file=stream, flush=True)
 
 
+def _run_jobs(case: Case, jobs: list, cfg: dict, stream) -> list[dict]:
+    rows = measure_case(case, jobs, repeats=cfg["repeats"], min_sample_s=cfg["min_sample_s"])
+    for row in rows:
+        _print_progress(row, stream)
+    return rows
+
+
 def run_linear(cfg: dict, stream=sys.stderr) -> list[dict]:
     rows = []
     for b, h, t, d, dtype, chunk in itertools.product(cfg["batch"], cfg["heads"], cfg["seq_lens"], cfg["dims"],
@@ -322,15 +357,14 @@ def run_linear(cfg: dict, stream=sys.stderr) -> list[dict]:
         case = Case("linear", ident, arg_sets, LINEAR_GRAD_NAMES,
                     linear_reference(cfg.get("ref_dtype", "float64")) if use_ref else None,
                     None if use_ref else f"no reference: seq {t} > ref_max_seq {cfg['ref_max_seq']}")
+        jobs = []
         for mode, impl in itertools.product(cfg["modes"], cfg["impls"]):
             if impl == "recurrent" and t > cfg["max_recurrent_seq"]:
                 print(f"  skip recurrent at seq {t} > max_recurrent_seq {cfg['max_recurrent_seq']}", file=stream)
                 continue
-            row = measure(case, peers.linear_runner(impl, chunk_size=chunk,
-                                                    interpret=_interpret(cfg, "gated_delta_rule", impl)), mode, repeats=cfg["repeats"],
-                          min_sample_s=cfg["min_sample_s"])
-            _print_progress(row, stream)
-            rows.append(row)
+            jobs.append((peers.linear_runner(impl, chunk_size=chunk,
+                                             interpret=_interpret(cfg, "gated_delta_rule", impl)), mode))
+        rows += _run_jobs(case, jobs, cfg, stream)
     return rows
 
 
@@ -400,6 +434,7 @@ def run_attention(suite: str, cfg: dict, stream=sys.stderr) -> list[dict]:
             case = Case(suite, ident, arg_sets, ATTENTION_GRAD_NAMES,
                         attention_reference(mask_mod, None) if use_ref else None,
                         None if use_ref else f"no reference: seq {t} > ref_max_seq {cfg['ref_max_seq']}")
+            jobs = []
             for mode, impl in itertools.product(cfg["modes"], cfg["impls"]):
                 runner = _attention_runner(impl, mask_mod=mask_mod, causal=causal, batch=b, lq=t, lkv=t, mask=mask,
                                            interpret=_interpret(cfg, "flex_attention", impl.removeprefix("flex_")))
@@ -408,9 +443,8 @@ def run_attention(suite: str, cfg: dict, stream=sys.stderr) -> list[dict]:
                 if _dense_too_big(impl, b, hq, t, t, cfg["max_dense_gb"]):
                     runner = peers.unavailable(impl, MemoryError(
                         f"dense logits {b * hq * t * t * 4 / 1024**3:.1f} GB > max_dense_gb {cfg['max_dense_gb']}"))
-                row = measure(case, runner, mode, repeats=cfg["repeats"], min_sample_s=cfg["min_sample_s"])
-                _print_progress(row, stream)
-                rows.append(row)
+                jobs.append((runner, mode))
+            rows += _run_jobs(case, jobs, cfg, stream)
     return rows
 
 
@@ -440,6 +474,7 @@ def run_decode(cfg: dict, stream=sys.stderr) -> list[dict]:
         case = Case("decode", ident, arg_sets, ATTENTION_GRAD_NAMES,
                     attention_reference(mask_mod, None, decode=True) if use_ref else None,
                     None if use_ref else f"no reference: lq {lq} > ref_max_seq {cfg['ref_max_seq']}")
+        jobs = []
         for mode, impl in itertools.product(cfg["modes"], cfg["impls"]):
             if impl == "flex_native" or impl.startswith("decode_"):
                 runner = peers.decode_runner(impl, interpret=_interpret(cfg, "decode_attention",
@@ -455,9 +490,8 @@ def run_decode(cfg: dict, stream=sys.stderr) -> list[dict]:
                 runner = peers.torch_sdpa(dense_mask=allowed)
             else:
                 runner = peers.unavailable(impl, ValueError(f"unknown impl {impl!r} for the decode suite"))
-            row = measure(case, runner, mode, repeats=cfg["repeats"], min_sample_s=cfg["min_sample_s"])
-            _print_progress(row, stream)
-            rows.append(row)
+            jobs.append((runner, mode))
+        rows += _run_jobs(case, jobs, cfg, stream)
     return rows
 
 
