@@ -68,24 +68,33 @@ def row_mask(start, rows: int, n_rows: int):
     return (start + jnp.arange(rows, dtype=jnp.int32)) < n_rows
 
 
-def load_tile(ref, start, rows: int, n_rows: int, cols: int, n_cols: int):
+def _tile_mask(start, rows: int, n_rows: int, cols: int, n_cols: int, aligned: bool):
+    mask = None
+    if not (aligned and n_rows % rows == 0):
+        mask = jnp.broadcast_to(row_mask(start, rows, n_rows)[:, None], (rows, cols))
+    if cols != n_cols:
+        col_ok = jnp.broadcast_to((jnp.arange(cols, dtype=jnp.int32) < n_cols)[None, :], (rows, cols))
+        mask = col_ok if mask is None else mask & col_ok
+    return mask
+
+
+def load_tile(ref, start, rows: int, n_rows: int, cols: int, n_cols: int, aligned: bool = False):
     """[rows, cols] tile of a [n_rows, >= n_cols] ref from row ``start``; 0 outside the array.
 
     ``cols`` is the power-of-two padded width (head dim 96 -> 128): columns >= n_cols read as 0, so they
-    add nothing to q.k and produce columns that are never stored.
+    add nothing to q.k and produce columns that are never stored. ``aligned=True`` promises ``start`` is a
+    multiple of ``rows`` below n_rows; when also n_rows % rows == 0 the row mask is dropped (plain loads).
     """
-    mask = row_mask(start, rows, n_rows)[:, None]
-    if cols != n_cols:
-        mask = mask & (jnp.arange(cols, dtype=jnp.int32) < n_cols)[None, :]
+    mask = _tile_mask(start, rows, n_rows, cols, n_cols, aligned)
+    if mask is None:
+        return plgpu.load(ref.at[pl.ds(start, rows), pl.ds(0, cols)])
     return plgpu.load(ref.at[pl.ds(start, rows), pl.ds(0, cols)], mask=mask, other=0.0)
 
 
-def store_tile(ref, start, val, n_rows: int, n_cols: int):
+def store_tile(ref, start, val, n_rows: int, n_cols: int, aligned: bool = False):
     """Stores val [rows, cols] at row ``start`` of a [n_rows, >= n_cols] ref, skipping out-of-range cells."""
     rows, cols = val.shape
-    mask = row_mask(start, rows, n_rows)[:, None]
-    if cols != n_cols:
-        mask = mask & (jnp.arange(cols, dtype=jnp.int32) < n_cols)[None, :]
+    mask = _tile_mask(start, rows, n_rows, cols, n_cols, aligned)
     plgpu.store(ref.at[pl.ds(start, rows), pl.ds(0, cols)], val.astype(ref.dtype), mask=mask)
 
 
@@ -136,19 +145,31 @@ def dot_precision(dtype) -> Any:
 # Online softmax (base-2 domain, float32 statistics)
 # ----------------------------------------------------------------------------------------------------
 
-def softmax_update(s2, m_prev, l_prev, acc_prev):
+def exp2(x, interpret: bool = False):
+    """2**x in float32. On the GPU: one ``ex2.approx.ftz.f32`` (MUFU) per element; the libdevice exp2f
+    that jnp.exp2 lowers to adds denormal handling around it. exp2(-inf) = 0; results below 2^-126
+    flush to 0, which no softmax weight can notice. Interpreted: jnp.exp2."""
+    if interpret or x.dtype != jnp.float32:
+        return jnp.exp2(x)
+    [out] = plgpu.elementwise_inline_asm("ex2.approx.ftz.f32 $0, $1;", args=[x], constraints="=f,f", pack=1,
+                                         result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, x.dtype)])
+    return out
+
+
+def softmax_update(s2, m_prev, l_prev, acc_prev, exp2_fn=jnp.exp2):
     """One KV tile of the online softmax.
 
     s2: float32 [BQ, BKV] scores times log2(e), -inf where masked. m_prev, l_prev: float32 [BQ] running
     max (base 2) and sum; acc_prev: float32 [BQ, Dv] unnormalised output.
+    exp2_fn: jnp.exp2, or ``functools.partial(exp2, interpret=False)`` for the MUFU instruction.
     Returns (p [BQ, BKV] float32, alpha [BQ], m_new, l_new); the caller forms
     ``acc_new = alpha[:, None] * acc_prev + p @ v`` (kept separate so it can cast p to v's dtype).
     """
     del acc_prev
     m_new = jnp.maximum(m_prev, jnp.max(s2, axis=1))
     m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)      # nothing allowed yet: avoid -inf - -inf
-    p = jnp.exp2(s2 - m_use[:, None])
-    alpha = jnp.exp2(m_prev - m_use)
+    p = exp2_fn(s2 - m_use[:, None])
+    alpha = exp2_fn(m_prev - m_use)
     l_new = alpha * l_prev + jnp.sum(p, axis=1)
     return p, alpha, m_new, l_new
 

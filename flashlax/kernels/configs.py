@@ -54,18 +54,19 @@ class FlashConfig:
             raise ValueError(f"FlashConfig: num_stages must be a positive int, got {self.num_stages!r}")
 
 
-def smem_bytes(config: FlashConfig, head_dim: int, head_dim_v: int, dtype) -> int:
+def smem_bytes(config: FlashConfig, head_dim: int, head_dim_v: int, dtype, p_in_smem: bool = True) -> int:
     """Static estimate of the forward kernel's shared memory, bytes.
 
-    Triton stages the q tile once and the streamed K and V tiles once per pipeline stage; the P tile
-    that feeds the second matmul (P @ V) is round-tripped through shared memory for its layout change.
+    Triton stages the q tile once and the streamed K and V tiles once per pipeline stage; before sm_90
+    the P tile that feeds the second matmul (P @ V) is counted as round-tripped through shared memory
+    for its layout change (``p_in_smem``); Hopper's wgmma reads that operand from registers.
     Head dims are padded to powers of two, as in the kernel.
     """
     item = jnp.dtype(dtype).itemsize
     d, dv = _pow2(head_dim), _pow2(head_dim_v)
     q_tile = config.block_q * d * item
     kv_tiles = config.num_stages * config.block_kv * (d + dv) * item
-    p_tile = config.block_q * config.block_kv * item
+    p_tile = config.block_q * config.block_kv * item if p_in_smem else 0
     return q_tile + kv_tiles + p_tile
 
 
@@ -131,7 +132,7 @@ def check_config(config: FlashConfig, head_dim: int, head_dim_v: int, dtype,
                  device_kind: str | None = None, limit: int | None = None) -> None:
     """ValueError when ``config`` needs more shared memory than one block may use on the device."""
     limit = smem_limit(device_kind) if limit is None else limit
-    need = smem_bytes(config, head_dim, head_dim_v, dtype)
+    need = smem_bytes(config, head_dim, head_dim_v, dtype, p_in_smem=device_family(device_kind) != "h200")
     if need > limit:
         raise ValueError(
             f"flash attention config {config} needs about {need} bytes of shared memory for head dims "

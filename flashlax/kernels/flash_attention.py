@@ -80,7 +80,7 @@ def _fwd_kernel(*refs, st: _Static, n_cap: int, bm_dep: bool, hm_dep: bool, lq: 
     q_start = pl.multiple_of(iq * bqh, bqh)
     if gp == 1:
         h = pl.program_id(0)
-        q = _tiles.load_tile(q_ref, q_start, bq, lq, dp, d)
+        q = _tiles.load_tile(q_ref, q_start, bq, lq, dp, d, aligned=True)
         q_idx = q_start + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
     else:
         # Rows g * bqh + i hold query i of head hkv * G + g: one K/V tile load serves the whole group.
@@ -91,12 +91,13 @@ def _fwd_kernel(*refs, st: _Static, n_cap: int, bm_dep: bool, hm_dep: bool, lq: 
                        other=0.0).reshape(bq, dp)
     precision = _tiles.dot_precision(q.dtype)
     kv_ragged = lkv % bkv != 0
+    exp2_fn = functools.partial(_tiles.exp2, interpret=st.interpret)
 
     def visit(kv_tile, carry, masked: bool):
         m_prev, l_prev, acc_prev = carry
         kv_start = pl.multiple_of(kv_tile * bkv, bkv)
-        k = _tiles.load_tile(k_ref, kv_start, bkv, lkv, dp, d)
-        v = _tiles.load_tile(v_ref, kv_start, bkv, lkv, dvp, dv)
+        k = _tiles.load_tile(k_ref, kv_start, bkv, lkv, dp, d, aligned=True)
+        v = _tiles.load_tile(v_ref, kv_start, bkv, lkv, dvp, dv, aligned=True)
         qk = _tiles.dot_nt(q, k, precision)
         kv_idx = kv_start + lax.broadcasted_iota(jnp.int32, (1, bkv), 1)
         if st.score_mod is None:
@@ -108,7 +109,7 @@ def _fwd_kernel(*refs, st: _Static, n_cap: int, bm_dep: bool, hm_dep: bool, lq: 
         if masked:
             allowed = st.mask_mod(mask_caps, b, h, q_idx, kv_idx)
             s2 = jnp.where(allowed, s2, -jnp.inf)
-        p, alpha, m_new, l_new = _tiles.softmax_update(s2, m_prev, l_prev, acc_prev)
+        p, alpha, m_new, l_new = _tiles.softmax_update(s2, m_prev, l_prev, acc_prev, exp2_fn)
         acc = acc_prev * alpha[:, None] + _tiles.dot_nn(p.astype(v.dtype), v, precision)
         return m_new, l_new, acc
 
@@ -130,7 +131,7 @@ def _fwd_kernel(*refs, st: _Static, n_cap: int, bm_dep: bool, hm_dep: bool, lq: 
     m, l, acc = carry
     out, lse = _tiles.softmax_finalize(acc, m, l)
     if gp == 1:
-        _tiles.store_tile(o_ref, q_start, out, lq, dv)
+        _tiles.store_tile(o_ref, q_start, out, lq, dv, aligned=True)
         _tiles.store_vec(lse_ref, q_start, lse, lq)
     else:
         plgpu.store(o_ref.at[:, pl.ds(q_start, bqh), pl.ds(0, dvp)], out.reshape(gp, bqh, dvp).astype(o_ref.dtype),
