@@ -1,0 +1,279 @@
+"""Tests of the Pallas flash-attention forward (flashlax/kernels/flash_attention.py, _tiles.py).
+
+On CPU the kernel runs in the Pallas interpreter (interpret=True) with tiny tiles, against the float64
+materialised reference. The interpreter fills output buffers with NaN before the kernel runs, so the
+NaN-free checks below also prove that every output element was written. ``gpu``-marked tests run the
+compiled kernel at realistic shapes (pytest -m gpu on the device machine).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from conftest import TOLERANCES, on_gpu, rel_err
+from flashlax import masks, score_mods
+from flashlax.kernels import _tiles
+from flashlax.kernels.configs import FlashConfig
+from flashlax.kernels.flash_attention import flex_attention_pallas
+from flashlax.masks import create_block_mask
+from flashlax.reference import attention_reference
+
+TINY = FlashConfig(block_q=16, block_kv=32, num_warps=4, num_stages=1)
+TINY_PACK = FlashConfig(block_q=32, block_kv=16, num_warps=4, num_stages=1, pack_gqa=True)
+
+
+def _inputs(seed, bsz, hq, hkv, lq, lkv, d, dv=None, dtype=jnp.float32):
+    keys = jax.random.split(jax.random.PRNGKey(seed), 3)
+    q = jax.random.normal(keys[0], (bsz, hq, lq, d), jnp.float32).astype(dtype)
+    k = jax.random.normal(keys[1], (bsz, hkv, lkv, d), jnp.float32).astype(dtype)
+    v = jax.random.normal(keys[2], (bsz, hkv, lkv, dv or d), jnp.float32).astype(dtype)
+    return q, k, v
+
+
+def _reference(q, k, v, score_mod=None, mask_mod=None, scale=None):
+    """float64 (out, lse) as numpy arrays."""
+    with jax.enable_x64():
+        f64 = lambda x: jnp.asarray(np.asarray(x, np.float64))
+        out, lse = attention_reference(f64(q), f64(k), f64(v), score_mod=score_mod, mask_mod=mask_mod,
+                                       scale=scale)
+        return np.asarray(out), np.asarray(lse)
+
+
+def _check(out, lse, ref_out, ref_lse, dtype=jnp.float32):
+    out, lse = np.asarray(out, np.float64), np.asarray(lse, np.float64)
+    assert not np.isnan(out).any() and not np.isnan(lse).any(), "unwritten (NaN) or NaN output"
+    assert rel_err(out, ref_out) < TOLERANCES[jnp.dtype(dtype).name]
+    empty = ~np.isfinite(ref_lse)
+    np.testing.assert_array_equal(lse[empty], -np.inf)
+    np.testing.assert_array_equal(out[empty], 0.0)
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(lse[~empty], ref_lse[~empty], atol=tol, rtol=tol)
+
+
+def _run(q, k, v, config=TINY, **kw):
+    return flex_attention_pallas(q, k, v, return_lse=True, interpret=True, config=config, **kw)
+
+
+def _segments(bsz, length, n_docs, seed=0):
+    rng = np.random.default_rng(seed)
+    cuts = np.sort(rng.choice(np.arange(1, length), size=n_docs - 1, replace=False))
+    ids = np.zeros((bsz, length), np.int32)
+    for c in cuts:
+        ids[:, c:] += 1
+    return jnp.asarray(ids)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Forward against the float64 reference
+# ----------------------------------------------------------------------------------------------------
+
+CASES = [
+    # (id, B, Hq, Hkv, Lq, Lkv, D, Dv, mask, mod)
+    ("g1_full_odd", 1, 2, 2, 37, 45, 32, 32, None, None),
+    ("g2_causal", 2, 4, 2, 48, 48, 64, 64, "causal", None),
+    ("g3_causal_lq_ne_lkv", 1, 6, 2, 29, 61, 32, 32, "causal", None),
+    ("g4_window_d96", 1, 4, 1, 50, 50, 96, 96, "window", None),
+    ("g2_document", 2, 4, 2, 45, 45, 32, 32, "document", None),
+    ("g1_prefix_alibi", 1, 3, 3, 40, 53, 32, 32, "prefix", "alibi"),
+    ("g2_softcap_dv_ne_d", 1, 4, 2, 33, 40, 64, 32, None, "softcap"),
+    ("g4_causal_relbias", 1, 4, 1, 41, 41, 32, 32, "causal", "relative_bias"),
+    ("g2_fully_masked_rows", 1, 2, 1, 40, 40, 32, 32, "late", None),
+]
+
+
+def _mods(mask, mod, bsz, hq, lq, lkv):
+    seg = _segments(bsz, max(lq, lkv), min(3, max(lq, lkv)))
+    mask_mod = {None: None, "causal": masks.causal, "window": masks.sliding_window(7, 3),
+                "document": masks.document(seg[:, :lq], seg[:, :lkv]), "prefix": masks.prefix_lm(9),
+                # rows < 20 see nothing: fully masked rows must give 0 and lse -inf
+                "late": lambda b, h, i, j: (i >= 20) & (j <= i)}[mask]
+    keys = jax.random.split(jax.random.PRNGKey(7), 2)
+    score_mod = {None: None, "alibi": score_mods.alibi(jax.random.uniform(keys[0], (hq,))),
+                 "softcap": score_mods.softcap(2.0),
+                 "relative_bias": score_mods.relative_bias(
+                     jax.random.normal(keys[1], (hq, 2 * max(lq, lkv) - 1)))}[mod]
+    return score_mod, mask_mod
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_forward_matches_reference(case):
+    _, bsz, hq, hkv, lq, lkv, d, dv, mask, mod = case
+    q, k, v = _inputs(sum(map(ord, case[0])), bsz, hq, hkv, lq, lkv, d, dv)
+    score_mod, mask_mod = _mods(mask, mod, bsz, hq, lq, lkv)
+    out, lse = _run(q, k, v, score_mod=score_mod, mask_mod=mask_mod)
+    assert out.shape == (bsz, hq, lq, dv) and out.dtype == q.dtype and lse.shape == (bsz, hq, lq)
+    _check(out, lse, *_reference(q, k, v, score_mod, mask_mod))
+
+
+@pytest.mark.parametrize("mask", ["causal", "document"])
+def test_packed_gqa_matches_reference(mask):
+    """One program per KV group (pack_gqa) gives the same results as the per-head grid."""
+    q, k, v = _inputs(3, 1, 4, 2, 43, 43, 32)
+    score_mod, mask_mod = _mods(mask, "alibi", 1, 4, 43, 43)
+    out, lse = _run(q, k, v, config=TINY_PACK, score_mod=score_mod, mask_mod=mask_mod)
+    _check(out, lse, *_reference(q, k, v, score_mod, mask_mod))
+
+
+def test_bfloat16_and_scale():
+    q, k, v = _inputs(4, 1, 4, 2, 40, 40, 64, dtype=jnp.bfloat16)
+    out, lse = _run(q, k, v, mask_mod=masks.causal, scale=0.3)
+    assert out.dtype == jnp.bfloat16 and lse.dtype == jnp.float32
+    _check(out, lse, *_reference(q, k, v, None, masks.causal, scale=0.3), dtype=jnp.bfloat16)
+
+
+@given(seed=st.integers(0, 2**16), groups=st.sampled_from([1, 2, 3, 4]), lq=st.integers(1, 70),
+       lkv=st.integers(1, 70), d=st.sampled_from([16, 32, 48]),
+       mask=st.sampled_from([None, "causal", "window", "document", "prefix"]))
+def test_forward_property(seed, groups, lq, lkv, d, mask):
+    q, k, v = _inputs(seed, 1, groups, 1, lq, lkv, d)
+    score_mod, mask_mod = _mods(mask, None, 1, groups, lq, lkv)
+    out, lse = _run(q, k, v, mask_mod=mask_mod)
+    _check(out, lse, *_reference(q, k, v, None, mask_mod))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Block masks given by the caller
+# ----------------------------------------------------------------------------------------------------
+
+def test_given_block_mask_tiles_become_kernel_tiles():
+    q, k, v = _inputs(5, 1, 2, 1, 40, 40, 32)
+    bm = create_block_mask(masks.causal, None, None, 40, 40, block_q=32, block_kv=16)
+    out, lse = _run(q, k, v, block_mask=bm)          # mask_mod comes from the block mask
+    _check(out, lse, *_reference(q, k, v, None, masks.causal))
+
+
+def test_given_block_mask_with_odd_tiles_is_rebuilt_or_rejected():
+    q, k, v = _inputs(6, 1, 2, 1, 40, 40, 32)
+    bm = create_block_mask(masks.causal, None, None, 40, 40, block_q=24, block_kv=24)
+    out, lse = _run(q, k, v, block_mask=bm)          # rebuilt from its mask_mod
+    _check(out, lse, *_reference(q, k, v, None, masks.causal))
+    bare = masks.block_mask_from_kinds(bm.tile_kinds, 40, 40, 24, 24)   # no mask_mod to rebuild with
+    with pytest.raises(ValueError, match="block_mask"):
+        _run(q, k, v, block_mask=bare)
+
+
+def test_block_mask_shape_mismatch_raises():
+    q, k, v = _inputs(6, 1, 2, 1, 40, 40, 32)
+    bm = create_block_mask(masks.causal, None, None, 48, 40, block_q=16, block_kv=32)
+    with pytest.raises(ValueError, match="block_mask"):
+        _run(q, k, v, block_mask=bm)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Gradients through the custom_vjp (q, k, v and a captured bias table)
+# ----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_gradients_including_captured_table(return_lse):
+    q, k, v = _inputs(8, 1, 4, 2, 33, 33, 32)
+    table = jax.random.normal(jax.random.PRNGKey(9), (4, 2 * 33 - 1))
+    w = jax.random.normal(jax.random.PRNGKey(10), q.shape)
+
+    def loss(fn, q, k, v, table):
+        out = fn(q, k, v, table)
+        o, l = out if isinstance(out, tuple) else (out, None)
+        extra = 0.0 if l is None else jnp.where(jnp.isfinite(l), l, 0.0).sum()
+        return (o * w).sum() + extra
+
+    def kernel(q, k, v, table):
+        return flex_attention_pallas(q, k, v, score_mod=score_mods.relative_bias(table), mask_mod=masks.causal,
+                                     return_lse=return_lse, interpret=True, config=TINY)
+
+    def reference(q, k, v, table):
+        o, l = attention_reference(q, k, v, score_mod=score_mods.relative_bias(table), mask_mod=masks.causal)
+        return (o, l) if return_lse else o
+
+    grads = jax.grad(lambda *a: loss(kernel, *a), argnums=(0, 1, 2, 3))(q, k, v, table)
+    with jax.enable_x64():
+        f64 = lambda x: jnp.asarray(np.asarray(x, np.float64))
+        ref = jax.grad(lambda *a: loss(reference, *a), argnums=(0, 1, 2, 3))(f64(q), f64(k), f64(v), f64(table))
+    for g, r in zip(grads, ref):
+        assert rel_err(g, r) < 1e-4
+
+
+# ----------------------------------------------------------------------------------------------------
+# Mods, transformations, errors
+# ----------------------------------------------------------------------------------------------------
+
+def test_tile_mod_point_reads_match_mod_on_arrays():
+    """TileMod evaluates a scalar-traced mod on tiles, reading captured arrays by index."""
+    seg = _segments(2, 40, 3)
+    mod = masks.document(seg)
+    tm = _tiles.TileMod.make(mod, "mask")
+    assert len(tm.captured) == 1
+    qi, ki = _tiles.tile_positions(jnp.int32(16), jnp.int32(8), 16, 32)
+    got = tm(tm.captured, jnp.int32(1), jnp.int32(0), qi, ki)
+    want = jnp.broadcast_to(mod(jnp.int32(1), jnp.int32(0), qi, ki), (16, 32))
+    np.testing.assert_array_equal(got, want)
+
+
+def test_unsupported_captured_slice_falls_back_to_xla():
+    """A mod that reduces a captured array (not a point read) runs on the XLA path, with equal results."""
+    table = jax.random.normal(jax.random.PRNGKey(11), (2, 40))
+
+    def row_bias(score, b, h, q_idx, kv_idx):
+        return score + jnp.max(table) * (kv_idx - q_idx).astype(score.dtype) * 0.1
+
+    with pytest.raises(_tiles.UnsupportedModError):
+        _tiles.TileMod.make(row_bias, "score")
+    q, k, v = _inputs(12, 1, 2, 1, 30, 40, 32)
+    out, lse = _run(q, k, v, score_mod=row_bias)
+    _check(out, lse, *_reference(q, k, v, row_bias, None))
+
+
+def test_jit_and_vmap():
+    q, k, v = _inputs(13, 1, 2, 1, 24, 24, 32)
+    qs, ks, vs = (jnp.stack([x, 2 * x]) for x in (q, k, v))
+    f = jax.jit(jax.vmap(lambda q, k, v: flex_attention_pallas(q, k, v, mask_mod=masks.causal, interpret=True,
+                                                                config=TINY)))
+    out = f(qs, ks, vs)
+    for i in range(2):
+        ref, _ = _reference(qs[i], ks[i], vs[i], None, masks.causal)
+        assert rel_err(out[i], ref) < TOLERANCES["float32"]
+
+
+def test_bad_inputs_raise_value_error():
+    q, k, v = _inputs(14, 1, 3, 2, 16, 16, 32)
+    with pytest.raises(ValueError, match=r"\(1, 3, 16, 32\)"):
+        flex_attention_pallas(q, k, v, interpret=True)           # Hq % Hkv != 0
+    q, k, v = _inputs(14, 1, 2, 1, 16, 16, 32)
+    with pytest.raises(ValueError, match="dtype"):
+        flex_attention_pallas(q, k.astype(jnp.bfloat16), v, interpret=True)
+    with pytest.raises(ValueError, match="shared memory"):
+        flex_attention_pallas(q, k, v, interpret=True, config=FlashConfig(256, 256, 8, 4))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Real GPU (pytest -m gpu)
+# ----------------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("mask", ["causal", "document", None])
+def test_gpu_realistic_shapes(dtype, mask):
+    assert on_gpu()
+    bsz, hq, hkv, length, d = 2, 8, 2, 1000, 128
+    q, k, v = _inputs(20, bsz, hq, hkv, length, length, d, dtype=dtype)
+    score_mod, mask_mod = _mods(mask, None, bsz, hq, length, length)
+    out, lse = jax.jit(lambda q, k, v: flex_attention_pallas(q, k, v, mask_mod=mask_mod, return_lse=True))(q, k, v)
+    f32 = lambda x: x.astype(jnp.float32)
+    ref_out, ref_lse = attention_reference(f32(q), f32(k), f32(v), mask_mod=mask_mod)
+    assert rel_err(out, ref_out) < TOLERANCES[jnp.dtype(dtype).name]     # float32: 1e-5 rules out tf32
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.gpu
+def test_gpu_deterministic_and_mods():
+    assert on_gpu()
+    q, k, v = _inputs(21, 1, 8, 2, 777, 777, 96, dtype=jnp.bfloat16)
+    score_mod, mask_mod = _mods("causal", "relative_bias", 1, 8, 777, 777)
+    f = jax.jit(lambda q, k, v: flex_attention_pallas(q, k, v, score_mod=score_mod, mask_mod=mask_mod))
+    a, b = np.asarray(f(q, k, v), np.float32), np.asarray(f(q, k, v), np.float32)
+    np.testing.assert_array_equal(a, b)
+    ref, _ = attention_reference(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
+                                 score_mod=score_mod, mask_mod=mask_mod)
+    assert rel_err(a, ref) < TOLERANCES["bfloat16"]
