@@ -1,0 +1,510 @@
+"""FlashAttention-2 backward for flex_attention: Pallas kernels (Triton lowering).
+
+Three launches, no atomics, so the result is bit-for-bit deterministic:
+  1. delta pre-pass     delta[b, h, i] = sum_d dout[b, h, i, d] * out[b, h, i, d]      (float32)
+  2. dK/dV pass         grid (B, Hkv, kv tiles): for its KV tile, a program loops over the G query heads
+                        of the group and over the query tiles of the transposed block mask (q_* lists),
+                        accumulating dK and dV in registers: GQA without expanding K/V and without atomics.
+  3. dQ pass            grid (B, Hq, q tiles): loops over the KV tiles of the row lists (kv_* lists).
+Both passes recompute P = exp(mod(scale * q.k) - lse) and use
+  dS = P * (dP - delta) * dmod/dscore * scale,   dP = dout . v^T,
+where dmod/dscore comes from ``jax.jvp`` of the traced ``score_mod`` inside the kernel (the mod is
+elementwise in the score, so a unit tangent gives its derivative). Full tiles skip ``mask_mod``.
+
+Gradients of arrays captured by ``score_mod`` (ALiBi slopes, a relative-bias table) are reductions of dS
+over the whole [Lq, Lkv] plane into a small array (a scatter-add for a table): that needs atomics or a
+second pass in a kernel, so it is computed by an XLA pass over query tiles (memory O(block_q * Lkv) per
+step) that recomputes dS and pulls it back through the mod with ``jax.vjp``. It runs only when the
+score_mod captures floating-point arrays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from flashlax import masks as masks_lib
+from flashlax.kernels._tiles import LOG2E, dot_nn, dot_nt, dot_precision, dot_tn
+from flashlax.kernels.configs import SMEM_LIMITS, device_family
+from flashlax.masks import BlockMask
+
+@dataclasses.dataclass(frozen=True)
+class BwdConfig:
+    """Backward tile sizes, warps and pipeline stages.
+
+    block_q_dkv x block_kv_dkv: the dK/dV pass (a program owns block_kv_dkv keys, steps block_q_dkv queries).
+    block_q_dq x block_kv_dq: the dQ pass (a program owns block_q_dq queries, steps block_kv_dq keys).
+    Tiles are clipped to divisors of the block mask's tiles (see ``_sub_tile``), so one backward tile
+    always lies inside one block-mask tile and inherits its kind (empty / partial / full).
+    """
+
+    block_q_dkv: int = 32
+    block_kv_dkv: int = 128
+    block_q_dq: int = 128
+    block_kv_dq: int = 32
+    num_warps_dkv: int = 4
+    num_warps_dq: int = 4
+    num_stages_dkv: int = 2
+    num_stages_dq: int = 2
+    block_delta: int = 64
+
+    def smem_bytes(self, head_dim: int, head_dim_v: int, itemsize: int) -> int:
+        """Static estimate of the shared memory each backward kernel needs; returns the larger.
+
+        Triton keeps the tiles it streams through the loop in shared memory, one copy per pipeline stage
+        (q and dout in the dK/dV pass; k and v in the dQ pass), stages the resident operands of the
+        matmuls once (k, v or q, dout), and round-trips the two [block_q, block_kv] operands that feed
+        a second matmul (P^T and dS^T, or dS) through shared memory for the layout change.
+        """
+        d, dv = _pow2(head_dim), _pow2(head_dim_v)
+        dkv = (self.num_stages_dkv * self.block_q_dkv * (d + dv) * itemsize
+               + self.block_kv_dkv * (d + dv) * itemsize
+               + 2 * self.block_q_dkv * self.block_kv_dkv * itemsize
+               + self.num_stages_dkv * self.block_q_dkv * 8)          # lse, delta rows (f32)
+        dq = (self.num_stages_dq * self.block_kv_dq * (d + dv) * itemsize
+              + self.block_q_dq * (d + dv) * itemsize
+              + self.block_q_dq * self.block_kv_dq * itemsize)
+        return max(dkv, dq)
+
+    def check_smem(self, head_dim: int, head_dim_v: int, itemsize: int, limit: int) -> None:
+        need = self.smem_bytes(head_dim, head_dim_v, itemsize)
+        if need > limit:
+            raise ValueError(f"flash_attention_bwd: config {self} needs about {need} bytes of shared memory "
+                             f"for head dims ({head_dim}, {head_dim_v}) and itemsize {itemsize}, over the "
+                             f"device limit of {limit} bytes")
+
+
+# Configs: family -> {(max padded head dim, dtype class "16" or "32"): config}, as the forward's table.
+# Every entry fits its family's shared-memory budget at its head dim (tests/test_flash_kernel_bwd.py).
+BWD_CONFIGS: dict[str, dict[tuple[int, str], BwdConfig]] = {
+    "h200": {
+        (64, "16"): BwdConfig(32, 128, 128, 32, 4, 4, 3, 3),
+        (128, "16"): BwdConfig(32, 128, 128, 32, 4, 4, 2, 2),
+        (256, "16"): BwdConfig(16, 64, 64, 16, 4, 4, 2, 2),
+        (64, "32"): BwdConfig(32, 64, 64, 32, 4, 4, 2, 2),
+        (128, "32"): BwdConfig(16, 64, 64, 16, 4, 4, 2, 2),
+        (256, "32"): BwdConfig(16, 32, 32, 16, 4, 4, 1, 1),
+    },
+    "rtx3090": {
+        (64, "16"): BwdConfig(32, 64, 64, 32, 4, 4, 2, 2),
+        (128, "16"): BwdConfig(16, 64, 64, 16, 4, 4, 2, 2),
+        (256, "16"): BwdConfig(16, 32, 32, 16, 4, 4, 2, 2),
+        (64, "32"): BwdConfig(16, 64, 64, 16, 4, 4, 2, 2),
+        (128, "32"): BwdConfig(16, 32, 32, 16, 4, 4, 2, 2),
+        (256, "32"): BwdConfig(16, 16, 16, 16, 4, 4, 1, 1),
+    },
+}
+BWD_CONFIGS["default"] = BWD_CONFIGS["rtx3090"]
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def default_bwd_config(head_dim: int, head_dim_v: int | None = None, dtype=jnp.bfloat16,
+                       device_kind: str | None = None) -> BwdConfig:
+    """The backward config for this device kind (see ``configs.device_family``), head dims and dtype."""
+    d = max(_pow2(head_dim), _pow2(head_dim if head_dim_v is None else head_dim_v))
+    cls = "32" if jnp.dtype(dtype).itemsize >= 4 else "16"
+    table = BWD_CONFIGS[device_family(device_kind)]
+    for max_d in (64, 128, 256):
+        if d <= max_d:
+            return table[(max_d, cls)]
+    raise ValueError(f"flash_attention_bwd: head dims up to 256 are supported, got ({head_dim}, {head_dim_v})")
+
+
+def _sub_tile(want: int, mask_block: int) -> int:
+    """Largest power of two <= want that divides the block-mask tile ``mask_block``."""
+    t = 1
+    while t * 2 <= want and mask_block % (t * 2) == 0:
+        t *= 2
+    return t
+
+
+# ----------------------------------------------------------------------------------------------------
+# In-kernel helpers
+# ----------------------------------------------------------------------------------------------------
+
+def _edge_mask(start, rows: int, n_rows: int, cols: int | None = None, n_cols: int | None = None,
+               rows_exact: bool = False):
+    """In-bounds mask of a [rows(, cols)] tile at row ``start``, or None when every element is in bounds
+    (rows_exact: the caller knows n_rows is a multiple of the tile, so no load needs a mask)."""
+    row_ok = None if rows_exact else (start + jnp.arange(rows, dtype=jnp.int32)) < n_rows
+    if cols is None:
+        return row_ok
+    col_ok = None if cols == n_cols else (jnp.arange(cols, dtype=jnp.int32) < n_cols)[None, :]
+    if row_ok is None:
+        return None if col_ok is None else jnp.broadcast_to(col_ok, (rows, cols))
+    row_ok = jnp.broadcast_to(row_ok[:, None], (rows, cols))
+    return row_ok if col_ok is None else row_ok & col_ok
+
+
+def _load_rows(ref, start, rows: int, n_rows: int, cols: int, n_cols: int, rows_exact: bool = False):
+    """[rows, cols] tile of a [n_rows, n_cols] ref from row ``start``; zeros outside the array (cols is
+    n_cols rounded up to a power of two, as Triton tiles must be)."""
+    mask = _edge_mask(start, rows, n_rows, cols, n_cols, rows_exact)
+    view = ref.at[pl.ds(start, rows), pl.ds(0, cols)]
+    return plgpu.load(view) if mask is None else plgpu.load(view, mask=mask, other=0.0)
+
+
+def _load_vec(ref, start, rows: int, n_rows: int, rows_exact: bool = False):
+    view = ref.at[pl.ds(start, rows)]
+    if rows_exact:
+        return plgpu.load(view)
+    return plgpu.load(view, mask=_edge_mask(start, rows, n_rows), other=0.0)
+
+
+def _store_rows(ref, start, val, n_rows: int, n_cols: int, rows_exact: bool = False):
+    rows, cols = val.shape
+    mask = _edge_mask(start, rows, n_rows, cols, n_cols, rows_exact)
+    plgpu.store(ref.at[pl.ds(start, rows), pl.ds(0, cols)], val.astype(ref.dtype), mask=mask)
+
+
+def _ds_tile(q, k, v, do, lse, delta, *, b, h, q_start, kv_start, lq, lkv, scale, partial,
+             score_mod, mask_mod, captured, q_exact, kv_exact):
+    """Recomputes P for one [bq, bkv] tile and returns (P, dS) in float32, dS w.r.t. q.k (scale included).
+
+    lse = -inf (fully masked row) -> P = 0 exactly: the lse is replaced by +inf so exp(s - lse) = 0
+    without forming inf - inf.
+    """
+    bq, bkv = q.shape[0], k.shape[0]
+    q_idx = q_start + lax.broadcasted_iota(jnp.int32, (bq, bkv), 0)
+    kv_idx = kv_start + lax.broadcasted_iota(jnp.int32, (bq, bkv), 1)
+    valid = None                                 # None: every element of the tile counts
+    if not q_exact:
+        valid = q_idx < lq
+    if not kv_exact:
+        valid = _and(valid, kv_idx < lkv)
+    if partial and mask_mod is not None:
+        valid = _and(valid, _call_mod(mask_mod, captured, b, h, q_idx, kv_idx))
+    lse_safe = jnp.where(lse == -jnp.inf, jnp.inf, lse)[:, None]
+    prec = dot_precision(q.dtype)
+    qk = dot_nt(q, k, prec)
+    if score_mod is None:
+        p = jnp.exp2(qk * (scale * LOG2E) - lse_safe * LOG2E)
+        dmod = None
+    else:
+        s = qk * scale
+        s_mod, dmod = jax.jvp(lambda x: _call_score_mod(score_mod, captured, x, b, h, q_idx, kv_idx),
+                              (s,), (jnp.ones_like(s),))
+        p = jnp.exp(s_mod - lse_safe)
+    if valid is not None:
+        p = jnp.where(valid, p, 0.0)
+    dp = dot_nt(do, v, prec)
+    ds = p * (dp - delta[:, None])
+    if dmod is not None:
+        ds = ds * (dmod if valid is None else jnp.where(valid, dmod, 0.0))
+    return p, ds * scale
+
+
+def _and(a, b):
+    return b if a is None else a & b
+
+
+def _call_mod(mask_mod, captured, b, h, q_idx, kv_idx):
+    return jnp.broadcast_to(mask_mod(*captured["mask"], b, h, q_idx, kv_idx), q_idx.shape)
+
+
+def _call_score_mod(score_mod, captured, s, b, h, q_idx, kv_idx):
+    return jnp.broadcast_to(score_mod(*captured["score"], s, b, h, q_idx, kv_idx), s.shape).astype(jnp.float32)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------------
+
+def _delta_kernel(o_ref, do_ref, delta_ref, *, block: int, lq: int, dv: int):
+    start = pl.program_id(2) * block
+    dvp = _pow2(dv)
+    o = _load_rows(o_ref, start, block, lq, dvp, dv).astype(jnp.float32)
+    do = _load_rows(do_ref, start, block, lq, dvp, dv).astype(jnp.float32)
+    row_ok = (start + jnp.arange(block, dtype=jnp.int32)) < lq
+    plgpu.store(delta_ref.at[pl.ds(start, block)], jnp.sum(o * do, axis=1), mask=row_ok)
+
+
+def _mask_loop(num_ref, idx_ref, bm, hm, mt, sub: int, body, carry):
+    """Runs body(tile, carry) over the backward tiles inside the listed block-mask tiles of row/column mt.
+
+    A block-mask tile holds ``sub`` backward tiles; tile indices come from the int32 index list, so the
+    trip count is data dependent (empty tiles are never visited).
+    """
+    n = num_ref[bm, hm, mt] * sub
+
+    def step(i, c):
+        tile = idx_ref[bm, hm, mt, i // sub] * sub + i % sub
+        return body(tile, c)
+
+    return lax.fori_loop(0, n, step, carry)
+
+
+def _dkdv_kernel(*refs, n_cap, groups, bq, bkv, mask_bq, mask_bkv, lq, lkv, d, dv, scale,
+                 bm_dep, hm_dep, score_mod, mask_mod, cap_split):
+    # Query tiles are visited as sub-tiles of block-mask tiles, which may stick out past Lq even when
+    # Lq is a multiple of bq: loads need no mask only when Lq is a multiple of the mask tile.
+    q_exact, kv_exact = lq % mask_bq == 0, lkv % bkv == 0
+    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
+     qn_ref, qi_ref, fqn_ref, fqi_ref) = refs[:10]
+    cap_refs = refs[10:10 + n_cap]
+    dk_ref, dv_ref = refs[10 + n_cap:]
+    b, hkv, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    dp_, dvp = _pow2(d), _pow2(dv)
+    kv_start = t * bkv
+    k = _load_rows(k_ref, kv_start, bkv, lkv, dp_, d, kv_exact)
+    v = _load_rows(v_ref, kv_start, bkv, lkv, dvp, dv, kv_exact)
+    mt = (t * bkv) // mask_bkv                     # block-mask kv tile holding this backward tile
+    sub = mask_bq // bq
+    captured = _split_captured(cap_refs, cap_split)      # refs: the mods read them with point loads
+    bm = b if bm_dep else 0
+
+    def head(g, carry):
+        h = hkv * groups + g
+        hm = h if hm_dep else 0
+
+        def tile_body(partial):
+            def body(qt, c):
+                dk_acc, dv_acc = c
+                q_start = pl.multiple_of(qt * bq, bq)
+                q = _load_rows(q_ref.at[g], q_start, bq, lq, dp_, d, q_exact)
+                do = _load_rows(do_ref.at[g], q_start, bq, lq, dvp, dv, q_exact)
+                lse = _load_vec(lse_ref.at[g], q_start, bq, lq, q_exact)
+                delta = _load_vec(delta_ref.at[g], q_start, bq, lq, q_exact)
+                p, ds = _ds_tile(q, k, v, do, lse, delta, b=b, h=h, q_start=q_start, kv_start=kv_start,
+                                 lq=lq, lkv=lkv, scale=scale, partial=partial, score_mod=score_mod,
+                                 mask_mod=mask_mod, captured=captured, q_exact=q_exact, kv_exact=kv_exact)
+                prec = dot_precision(q.dtype)
+                dv_acc = dv_acc + dot_tn(p.astype(do.dtype), do, prec)
+                dk_acc = dk_acc + dot_tn(ds.astype(q.dtype), q, prec)
+                return dk_acc, dv_acc
+            return body
+
+        carry = _mask_loop(fqn_ref, fqi_ref, bm, hm, mt, sub, tile_body(False), carry)
+        carry = _mask_loop(qn_ref, qi_ref, bm, hm, mt, sub, tile_body(True), carry)
+        return carry
+
+    zeros = (jnp.zeros((bkv, dp_), jnp.float32), jnp.zeros((bkv, dvp), jnp.float32))
+    dk_acc, dv_acc = lax.fori_loop(0, groups, head, zeros)
+    _store_rows(dk_ref, kv_start, dk_acc, lkv, d, kv_exact)
+    _store_rows(dv_ref, kv_start, dv_acc, lkv, dv, kv_exact)
+
+
+def _dq_kernel(*refs, n_cap, groups, bq, bkv, mask_bq, mask_bkv, lq, lkv, d, dv, scale,
+               bm_dep, hm_dep, score_mod, mask_mod, cap_split):
+    q_exact, kv_exact = lq % bq == 0, lkv % mask_bkv == 0      # as in _dkdv_kernel, with q and kv swapped
+    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
+     kn_ref, ki_ref, fkn_ref, fki_ref) = refs[:10]
+    cap_refs = refs[10:10 + n_cap]
+    (dq_ref,) = refs[10 + n_cap:]
+    b, h, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    dp_, dvp = _pow2(d), _pow2(dv)
+    q_start = t * bq
+    q = _load_rows(q_ref, q_start, bq, lq, dp_, d, q_exact)
+    do = _load_rows(do_ref, q_start, bq, lq, dvp, dv, q_exact)
+    lse = _load_vec(lse_ref, q_start, bq, lq, q_exact)
+    delta = _load_vec(delta_ref, q_start, bq, lq, q_exact)
+    mt = (t * bq) // mask_bq
+    sub = mask_bkv // bkv
+    captured = _split_captured(cap_refs, cap_split)
+    bm = b if bm_dep else 0
+    hm = h if hm_dep else 0
+
+    def tile_body(partial):
+        def body(kt, dq_acc):
+            kv_start = pl.multiple_of(kt * bkv, bkv)
+            k = _load_rows(k_ref, kv_start, bkv, lkv, dp_, d, kv_exact)
+            v = _load_rows(v_ref, kv_start, bkv, lkv, dvp, dv, kv_exact)
+            _, ds = _ds_tile(q, k, v, do, lse, delta, b=b, h=h, q_start=q_start, kv_start=kv_start,
+                             lq=lq, lkv=lkv, scale=scale, partial=partial, score_mod=score_mod,
+                             mask_mod=mask_mod, captured=captured, q_exact=q_exact, kv_exact=kv_exact)
+            return dq_acc + dot_nn(ds.astype(k.dtype), k, dot_precision(k.dtype))
+        return body
+
+    dq_acc = jnp.zeros((bq, dp_), jnp.float32)
+    dq_acc = _mask_loop(fkn_ref, fki_ref, bm, hm, mt, sub, tile_body(False), dq_acc)
+    dq_acc = _mask_loop(kn_ref, ki_ref, bm, hm, mt, sub, tile_body(True), dq_acc)
+    _store_rows(dq_ref, q_start, dq_acc, lq, d, q_exact)
+
+
+def _split_captured(values, split):
+    n_score = split
+    return {"score": tuple(values[:n_score]), "mask": tuple(values[n_score:])}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Wrapper
+# ----------------------------------------------------------------------------------------------------
+
+def _full_spec(x):
+    return pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
+
+
+def flash_attention_bwd(q, k, v, out, lse, dout, *, block_mask: BlockMask, score_mod=None, mask_mod=None,
+                        captured: Sequence[jax.Array] | dict = (), scale: float, config: Any = None,
+                        interpret: bool = False):
+    """Backward of flex_attention. Returns (dq, dk, dv, dcaptured).
+
+    q [B, Hq, Lq, D], k [B, Hkv, Lkv, D], v [B, Hkv, Lkv, Dv], out/dout [B, Hq, Lq, Dv],
+    lse [B, Hq, Lq] float32 natural log (-inf on fully masked rows).
+    score_mod(*score_captured, score, b, h, q_idx, kv_idx) and mask_mod(*mask_captured, b, h, q_idx, kv_idx)
+    take their captured arrays first (closure-converted); ``captured`` is
+    {"score": (...), "mask": (...)} or a plain tuple for the score_mod alone.
+    dcaptured mirrors ``captured``: cotangents of float arrays of the score_mod, zeros otherwise.
+    """
+    bsz, hq, lq, d = q.shape
+    _, hkv, lkv, dv = v.shape
+    groups = hq // hkv
+    cap = _normalize_captured(captured)
+    if isinstance(config, BwdConfig):
+        bwd = config
+    else:
+        kind = None if not interpret else "cpu-interpret"
+        bwd = default_bwd_config(d, dv, q.dtype, kind)
+        bwd.check_smem(d, dv, q.dtype.itemsize, SMEM_LIMITS[device_family(kind)])
+    mask_bq, mask_bkv = block_mask.block_q, block_mask.block_kv
+    bm_dep = block_mask.kv_num_blocks.shape[0] > 1
+    hm_dep = block_mask.kv_num_blocks.shape[1] > 1
+    dp_, dvp = _pow2(d), _pow2(dv)
+    if mask_mod is None and block_mask.mask_mod is not None:
+        # The block mask's own mod (no converted captures): partial tiles still need it.
+        mask_mod, cap["mask"] = block_mask.mask_mod, ()
+
+    # 1. delta = rowsum(dout * out), float32.
+    blk = min(bwd.block_delta, _pow2(lq))
+    o_spec = pl.BlockSpec((None, None, lq, dv), lambda b, h, t: (b, h, 0, 0))
+    delta = pl.pallas_call(
+        functools.partial(_delta_kernel, block=blk, lq=lq, dv=dv),
+        grid=(bsz, hq, pl.cdiv(lq, blk)),
+        in_specs=[o_spec, o_spec],
+        out_specs=pl.BlockSpec((None, None, lq), lambda b, h, t: (b, h, 0)),
+        out_shape=jax.ShapeDtypeStruct((bsz, hq, lq), jnp.float32),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret, name="flex_bwd_delta",
+    )(out, dout)
+
+    cap_values = cap["score"] + cap["mask"]
+    cap_split = len(cap["score"])
+    common = dict(n_cap=len(cap_values), groups=groups, mask_bq=mask_bq, mask_bkv=mask_bkv, lq=lq, lkv=lkv,
+                  d=d, dv=dv, scale=float(scale), bm_dep=bm_dep, hm_dep=hm_dep, score_mod=score_mod,
+                  mask_mod=mask_mod, cap_split=cap_split)
+    bmk = block_mask
+    cap_specs = [_full_spec(c) for c in cap_values]
+
+    # 2. dK/dV: one program per (b, kv head, kv tile); the G query heads of the group come in as one block.
+    bq, bkv = _sub_tile(bwd.block_q_dkv, mask_bq), _sub_tile(bwd.block_kv_dkv, mask_bkv)
+    grp = lambda last: pl.BlockSpec((None, groups, lq, last), lambda b, j, t: (b, j, 0, 0))
+    kv_spec = lambda last: pl.BlockSpec((None, None, lkv, last), lambda b, j, t: (b, j, 0, 0))
+    dk, dv_out = pl.pallas_call(
+        functools.partial(_dkdv_kernel, bq=bq, bkv=bkv, **common),
+        grid=(bsz, hkv, pl.cdiv(lkv, bkv)),
+        in_specs=[grp(d), kv_spec(d), kv_spec(dv), grp(dv),
+                  pl.BlockSpec((None, groups, lq), lambda b, j, t: (b, j, 0)),
+                  pl.BlockSpec((None, groups, lq), lambda b, j, t: (b, j, 0)),
+                  _full_spec(bmk.q_num_blocks), _full_spec(bmk.q_indices),
+                  _full_spec(bmk.full_q_num_blocks), _full_spec(bmk.full_q_indices), *cap_specs],
+        out_specs=[kv_spec(d), kv_spec(dv)],
+        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        compiler_params=plgpu.CompilerParams(num_warps=bwd.num_warps_dkv, num_stages=bwd.num_stages_dkv),
+        interpret=interpret, name="flex_bwd_dkdv",
+    )(q, k, v, dout, lse, delta, bmk.q_num_blocks, bmk.q_indices, bmk.full_q_num_blocks,
+      bmk.full_q_indices, *cap_values)
+
+    # 3. dQ: one program per (b, q head, q tile), reading KV head h // G.
+    bq, bkv = _sub_tile(bwd.block_q_dq, mask_bq), _sub_tile(bwd.block_kv_dq, mask_bkv)
+    q_spec = lambda last: pl.BlockSpec((None, None, lq, last), lambda b, h, t: (b, h, 0, 0))
+    kvh_spec = lambda last: pl.BlockSpec((None, None, lkv, last), lambda b, h, t: (b, h // groups, 0, 0))
+    row_spec = pl.BlockSpec((None, None, lq), lambda b, h, t: (b, h, 0))
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, bq=bq, bkv=bkv, **common),
+        grid=(bsz, hq, pl.cdiv(lq, bq)),
+        in_specs=[q_spec(d), kvh_spec(d), kvh_spec(dv), q_spec(dv), row_spec, row_spec,
+                  _full_spec(bmk.kv_num_blocks), _full_spec(bmk.kv_indices),
+                  _full_spec(bmk.full_kv_num_blocks), _full_spec(bmk.full_kv_indices), *cap_specs],
+        out_specs=q_spec(d),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=bwd.num_warps_dq, num_stages=bwd.num_stages_dq),
+        interpret=interpret, name="flex_bwd_dq",
+    )(q, k, v, dout, lse, delta, bmk.kv_num_blocks, bmk.kv_indices, bmk.full_kv_num_blocks,
+      bmk.full_kv_indices, *cap_values)
+
+    dcap = _dcaptured_xla(q, k, v, dout, lse, delta, block_mask=block_mask, score_mod=score_mod,
+                          mask_mod=mask_mod, cap=cap, scale=scale)
+    if not isinstance(captured, dict):
+        dcap = dcap["score"]
+    return dq, dk, dv_out, dcap
+
+
+def _normalize_captured(captured) -> dict:
+    if isinstance(captured, dict):
+        return {"score": tuple(captured.get("score", ())), "mask": tuple(captured.get("mask", ()))}
+    return {"score": tuple(captured or ()), "mask": ()}
+
+
+def _dcaptured_xla(q, k, v, dout, lse, delta, *, block_mask, score_mod, mask_mod, cap, scale,
+                   block_q: int = 64):
+    """Cotangents of the score_mod's captured arrays, by an XLA loop over query tiles.
+
+    Each step recomputes dS for block_q query rows against all keys ([B, Hq, block_q, Lkv] in float32)
+    and pulls it back through the mod with jax.vjp, so memory stays O(block_q * Lkv).
+    """
+    score_caps = cap["score"]
+    zeros = {"score": tuple(jnp.zeros_like(c) for c in score_caps),
+             "mask": tuple(jnp.zeros_like(c) for c in cap["mask"])}
+    diff = [jnp.issubdtype(c.dtype, jnp.floating) for c in score_caps]
+    if score_mod is None or not any(diff):
+        return zeros
+    bsz, hq, lq, d = q.shape
+    hkv, lkv = k.shape[1], k.shape[2]
+    groups = hq // hkv
+    block_q = min(block_q, lq)
+    n_tiles = -(-lq // block_q)
+    pad = n_tiles * block_q - lq
+    f32 = jnp.float32
+    qp = jnp.pad(q, ((0, 0), (0, 0), (0, pad), (0, 0)))
+    dop = jnp.pad(dout, ((0, 0), (0, 0), (0, pad), (0, 0)))
+    lsep = jnp.pad(lse, ((0, 0), (0, 0), (0, pad)), constant_values=-jnp.inf)
+    deltap = jnp.pad(delta, ((0, 0), (0, 0), (0, pad)))
+    kr = k.reshape(bsz, hkv, 1, lkv, d)
+    vr = v.reshape(bsz, hkv, 1, lkv, v.shape[-1])
+    b_idx = jnp.arange(bsz, dtype=jnp.int32)[:, None, None, None]
+    h_idx = jnp.arange(hq, dtype=jnp.int32)[None, :, None, None]
+    kv_idx = jnp.arange(lkv, dtype=jnp.int32)[None, None, None, :]
+    hi = lax.Precision.HIGHEST
+
+    def step(acc, i):
+        start = i * block_q
+        sl = lambda x: lax.dynamic_slice_in_dim(x, start, block_q, axis=2)
+        qt = sl(qp).reshape(bsz, hkv, groups, block_q, d)
+        dot = sl(dop).reshape(bsz, hkv, groups, block_q, -1)
+        lse_t, delta_t = sl(lsep), sl(deltap)
+        q_idx = (start + jnp.arange(block_q, dtype=jnp.int32))[None, None, :, None]
+        s = jnp.einsum("bkgqd,bkxld->bkgql", qt, kr, preferred_element_type=f32, precision=hi)
+        s = s.reshape(bsz, hq, block_q, lkv) * scale
+        valid = (q_idx < lq) & (kv_idx < lkv)
+        if mask_mod is not None:
+            valid = valid & mask_mod(*cap["mask"], b_idx, h_idx, q_idx, kv_idx)
+        valid = jnp.broadcast_to(valid, s.shape)
+
+        def mod_of(caps):
+            return jnp.broadcast_to(score_mod(*caps, s, b_idx, h_idx, q_idx, kv_idx), s.shape).astype(f32)
+
+        s_mod, pullback = jax.vjp(mod_of, score_caps)
+        lse_safe = jnp.where(lse_t == -jnp.inf, jnp.inf, lse_t)[..., None]
+        p = jnp.where(valid, jnp.exp(s_mod - lse_safe), 0.0)
+        dp = jnp.einsum("bkgqd,bkxld->bkgql", dot, vr, preferred_element_type=f32, precision=hi)
+        ds = p * (dp.reshape(bsz, hq, block_q, lkv) - delta_t[..., None])
+        (dcaps,) = pullback(ds)
+        acc = tuple(a + (dc.astype(f32) if ok else 0.0) for a, dc, ok in zip(acc, dcaps, diff))
+        return acc, None
+
+    init = tuple(jnp.zeros(c.shape, f32) for c in score_caps)
+    acc, _ = lax.scan(step, init, jnp.arange(n_tiles))
+    zeros["score"] = tuple(a.astype(c.dtype) if ok else jnp.zeros_like(c)
+                           for a, c, ok in zip(acc, score_caps, diff))
+    return zeros
