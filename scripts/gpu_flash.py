@@ -69,8 +69,8 @@ def check(args):
         ("softcap d128 g4", 1, 8, 2, 200, 333, 128, 128, score_mods.softcap(5.0), None, None),
         ("masked rows d64", 1, 4, 2, 200, 200, 64, 64, None, lambda b, h, i, j: (j <= i) & (i >= 50), None),
     ]
-    if args.smoke:
-        cases = [c for c in cases if c[0] in ("causal d96 g3", "prefix+alibi d64 g2", "masked rows d64")]
+    if args.smoke or args.small_check:
+        cases = [c for c in cases if c[0] in ("window d192/128 g1", "relbias+causal d128 g4", "masked rows d64")]
     for dtype in (jnp.bfloat16, jnp.float32):
         tol = 3e-2 if dtype == jnp.bfloat16 else 1e-5
         for n, (name, B, hq, hkv, lq, lkv, d, dv, sm, mm, cfg) in enumerate(cases):
@@ -106,6 +106,8 @@ def check(args):
     fails += not det
     log("check determinism (same bits twice):", det)
     # gradient through the custom_vjp (backward kernels of flash_attention_bwd)
+    if args.small_check:
+        return fails
     try:
         q, k, v = (x.astype(jnp.float32) for x in (q[:1, :, :300], k[:1, :, :300], v[:1, :, :300]))
         w = rnd(99, q.shape, jnp.float32)
@@ -175,7 +177,12 @@ def time_shape(label, B, hq, hkv, L, d, mask, variants, budget, dtype=jnp.bfloat
             continue
         try:
             bm = None
-            if mask_mod is not None:
+            if isinstance(cfg, str):          # "allfull": no-mask attention through the block-mask index path
+                cfg = None
+                c = flash_config(d, d, dtype)
+                bm = masks.create_block_mask(lambda b, h, i, j: i >= 0, None, None, L, L, block_q=c.block_q,
+                                             block_kv=c.block_kv)
+            elif mask_mod is not None:
                 c = cfg or flash_config(d, d, dtype)
                 groups = hq // hkv
                 pack = groups if (c.pack_gqa and c.block_q // groups >= 16) else 1
@@ -184,8 +191,8 @@ def time_shape(label, B, hq, hkv, L, d, mask, variants, budget, dtype=jnp.bfloat
             kk, vv = k, v
             if name == "repeat_kv":
                 kk, vv = jnp.repeat(k, hq // hkv, axis=1), jnp.repeat(v, hq // hkv, axis=1)
-            f = jax.jit(lambda q, k, v, bm: flex_attention_pallas(q, k, v, mask_mod=mask_mod, block_mask=bm,
-                                                                    config=cfg))
+            f = jax.jit(lambda q, k, v, bm: flex_attention_pallas(q, k, v, mask_mod=None if bm is None else
+                                                                    bm.mask_mod, block_mask=bm, config=cfg))
             ms, cs = bench(f, q, kk, vv, bm)
             res[name] = ms
             _row(label, mask, name, ms, flops, cs, cfg)
@@ -205,38 +212,41 @@ def timing(args):
     C = FlashConfig
     sweep = [
         ("default", None),
-        ("128x64 w4 s3", C(128, 64, 4, 3)),
-        ("128x64 w8 s3", C(128, 64, 8, 3)),
         ("128x128 w8 s2", C(128, 128, 8, 2)),
         ("128x128 w8 s3", C(128, 128, 8, 3)),
+        ("128x64 w4 s3", C(128, 64, 4, 3)),
+        ("128x64 w8 s4", C(128, 64, 8, 4)),
         ("64x64 w4 s3", C(64, 64, 4, 3)),
-        ("64x128 w4 s3", C(64, 128, 4, 3)),
-        ("128x32 w4 s4", C(128, 32, 4, 4)),
-        ("pack 128x64 w8 s3", C(128, 64, 8, 3, pack_gqa=True)),
+        ("64x128 w4 s2", C(64, 128, 4, 2)),
         ("pack 128x128 w8 s2", C(128, 128, 8, 2, pack_gqa=True)),
         ("pack 256x64 w8 s3", C(256, 64, 8, 3, pack_gqa=True)),
-        ("repeat_kv", None),
     ]
     if args.quick:
         sweep = sweep[:3]
-    default = [("default", None)]
+    top = sweep[:4]
     b = args.budget
     T, T2, H, HKV = (4096, 16384, 32, 8) if not args.smoke else (64, 128, 4, 2)
     out = {}
     out["B2 T4096 causal"] = time_shape("B2 T4096 d128", 2, H, HKV, T, 128, "causal", sweep, b)
-    out["B1 T16384 causal"] = time_shape("B1 T16384 d128", 1, H, HKV, T2, 128, "causal", default, b)
-    out["B1 T16384 window"] = time_shape("B1 T16384 d128", 1, H, HKV, T2, 128, "window1024", default, b)
-    out["B1 T16384 doc8"] = time_shape("B1 T16384 d128", 1, H, HKV, T2, 128, "doc8", default, b, cudnn=False)
-    out["B1 T16384 doc8c"] = time_shape("B1 T16384 d128", 1, H, HKV, T2, 128, "doc8+causal", default, b,
+    out["B1 T16384 causal"] = time_shape("B1 T16384 d128", 1, H, HKV, T2, 128, "causal", top, b)
+    out["B1 T16384 window"] = time_shape("B1 T16384 d128", 1, H, HKV, T2, 128, "window1024", top[:2], b)
+    out["B1 T16384 doc8"] = time_shape("B1 T16384 d128", 1, H, HKV, T2, 128, "doc8", top[:2], b, cudnn=False)
+    out["B1 T16384 doc8c"] = time_shape("B1 T16384 d128", 1, H, HKV, T2, 128, "doc8+causal", top[:2], b,
                                         cudnn=False)
-    out["B2 T4096 full"] = time_shape("B2 T4096 d128", 2, H, HKV, T, 128, "full", sweep, b)
+    out["B2 T4096 full"] = time_shape("B2 T4096 d128", 2, H, HKV, T, 128, "full", top + [("all-full block mask",
+                                      "allfull")], b)
     out["B2 T4096 d64 causal"] = time_shape("B2 T4096 d64", 2, H, HKV, T, 64, "causal",
-                                            sweep[:2] + sweep[5:6] + sweep[8:9], b)
+                                            [("default", None), ("128x64 w4 s3", C(128, 64, 4, 3)),
+                                             ("128x128 w8 s3", C(128, 128, 8, 3)),
+                                             ("128x128 w4 s3", C(128, 128, 4, 3)), ("64x64 w4 s3", C(64, 64, 4, 3))],
+                                            b)
     out["B2 T4096 d256 causal"] = time_shape("B2 T4096 d256", 2, H, HKV, T, 256, "causal",
-                                             default + [("64x64 w4 s2", C(64, 64, 4, 2)),
-                                                        ("128x32 w8 s2", C(128, 32, 8, 2))], b)
-    out["B2 T4096 f32 causal"] = time_shape("B2 T4096 d128 f32", 2, H, HKV, T, 128, "causal", default, b,
-                                            dtype=jnp.float32, cudnn=False)
+                                             [("default", None), ("64x64 w4 s3", C(64, 64, 4, 3)),
+                                              ("128x32 w8 s2", C(128, 32, 8, 2)), ("64x128 w8 s2", C(64, 128, 8, 2))],
+                                             b)
+    out["B2 T4096 f32 causal"] = time_shape("B2 T4096 d128 f32", 2, H, HKV, T, 128, "causal",
+                                            [("default", None), ("64x32 w4 s3", C(64, 32, 4, 3)),
+                                             ("128x32 w8 s2", C(128, 32, 8, 2))], b, dtype=jnp.float32, cudnn=False)
     return out
 
 
@@ -246,6 +256,7 @@ def main():
     p.add_argument("--budget", type=float, default=270.0)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--skip-check", action="store_true")
+    p.add_argument("--small-check", action="store_true")
     p.add_argument("--skip-time", action="store_true")
     p.add_argument("--smoke", action="store_true", help="CPU smoke test: interpret=True, tiny shapes")
     args = p.parse_args()
