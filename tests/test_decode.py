@@ -1,0 +1,183 @@
+"""decode_attention against the float64 decode reference, for every implementation the backend offers."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import flashlax
+from conftest import TOLERANCES, rel_err
+from flashlax import masks, score_mods
+from flashlax.fallbacks.decode import choose_num_splits, decode_attention_xla
+from flashlax.reference import attention_reference, decode_reference
+
+IMPLS = flashlax.available_impls("decode_attention")
+
+
+def _inputs(seed, batch, q_heads, kv_heads, q_len, max_len, head_dim, dtype=jnp.float32):
+    keys = jax.random.split(jax.random.PRNGKey(seed), 4)
+    q = jax.random.normal(keys[0], (batch, q_heads, q_len, head_dim), jnp.float32).astype(dtype)
+    k = jax.random.normal(keys[1], (batch, kv_heads, max_len, head_dim), jnp.float32).astype(dtype)
+    v = jax.random.normal(keys[2], (batch, kv_heads, max_len, head_dim), jnp.float32).astype(dtype)
+    lens = jax.random.randint(keys[3], (batch,), q_len, max_len + 1, jnp.int32)
+    return q, k, v, lens
+
+
+def _poison(cache, kv_lens):
+    """NaN in every cache row at or past kv_lens: must never reach the result."""
+    rows = jnp.arange(cache.shape[2])[None, None, :, None] < kv_lens[:, None, None, None]
+    return jnp.where(rows, cache, jnp.nan)
+
+
+def _reference(q, k, v, kv_lens, **mods):
+    with jax.enable_x64():
+        run = jax.jit(lambda q, k, v, kv_lens: decode_reference(q, k, v, kv_lens=kv_lens, **mods))
+        out, lse = run(*(jnp.asarray(x, jnp.float64) for x in (q, k, v)), kv_lens)
+        return np.asarray(out), np.asarray(lse)
+
+
+def _check(out, lse, ref_out, ref_lse, dtype):
+    tol = TOLERANCES[jnp.dtype(dtype).name]
+    assert out.dtype == dtype and lse.dtype == jnp.float32
+    assert rel_err(out, ref_out) <= tol
+    lse = np.asarray(lse)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+    finite = np.isfinite(ref_lse)
+    assert rel_err(lse[finite], ref_lse[finite]) <= tol
+
+
+@st.composite
+def decode_case(draw):
+    kv_heads = draw(st.sampled_from((1, 2)))
+    q_len = draw(st.sampled_from((1, 2, 4, 7, 16)))
+    return dict(batch=draw(st.integers(1, 3)), q_heads=kv_heads * draw(st.sampled_from((1, 2, 3, 4, 6, 8))),
+                kv_heads=kv_heads, q_len=q_len, max_len=draw(st.integers(q_len, 150)),
+                head_dim=draw(st.sampled_from((32, 64, 96, 128))), num_splits=draw(st.sampled_from((None, 1, 2, 3, 5))),
+                block_kv=draw(st.integers(4, 64)), seed=draw(st.integers(0, 2 ** 16)))
+
+
+@given(case=decode_case())
+def test_matches_reference(case):
+    """Shapes, GQA groups, Lq 1..16, several splits and chunk sizes, ragged kv_lens with NaN past them."""
+    num_splits = case["num_splits"]
+    if num_splits is not None:
+        num_splits = min(num_splits, case["max_len"])
+    q, k, v, lens = _inputs(case["seed"], case["batch"], case["q_heads"], case["kv_heads"], case["q_len"],
+                            case["max_len"], case["head_dim"])
+    k, v = _poison(k, lens), _poison(v, lens)
+    ref_out, ref_lse = _reference(q, k, v, lens)
+    for impl in IMPLS:
+        out, lse = jax.jit(lambda q, k, v, lens: flashlax.decode_attention(
+            q, k, v, kv_lens=lens, num_splits=num_splits, return_lse=True, impl=impl))(q, k, v, lens)
+        _check(out, lse, ref_out, ref_lse, q.dtype)
+    out, lse = jax.jit(lambda q, k, v, lens: decode_attention_xla(
+        q, k, v, kv_lens=lens, scale=case["head_dim"] ** -0.5, num_splits=num_splits, return_lse=True,
+        block_kv=case["block_kv"]))(q, k, v, lens)
+    _check(out, lse, ref_out, ref_lse, q.dtype)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("mods", ["alibi+window", "softcap+prefix", "relative_bias"])
+def test_mods(impl, mods):
+    """Mods see the new tokens' absolute positions (kv_lens - Lq + i) as q_idx."""
+    q, k, v, lens = _inputs(3, 2, 8, 2, 4, 90, 32)
+    k, v = _poison(k, lens), _poison(v, lens)
+    kw = {"alibi+window": dict(score_mod=score_mods.alibi(jnp.linspace(0.1, 0.8, 8)),
+                               mask_mod=masks.sliding_window(17)),
+          "softcap+prefix": dict(score_mod=score_mods.softcap(1.5), mask_mod=masks.or_masks(
+              masks.sliding_window(5), masks.prefix_lm(3))),
+          "relative_bias": dict(score_mod=score_mods.relative_bias(jnp.linspace(-1, 1, 179)))}[mods]
+    out, lse = flashlax.decode_attention(q, k, v, kv_lens=lens, num_splits=3, return_lse=True, impl=impl, **kw)
+    _check(out, lse, *_reference(q, k, v, lens, **kw), q.dtype)
+
+
+def test_reference_agrees_with_attention_reference():
+    """decode_reference is attention over the first kv_lens rows, query rows bottom-right aligned."""
+    q, k, v, _ = _inputs(4, 1, 4, 2, 3, 20, 16)
+    lens = jnp.array([13], jnp.int32)
+    ref, _ = _reference(q, k, v, lens)
+    with jax.enable_x64():
+        shifted_causal = lambda b, h, q_idx, kv_idx: kv_idx <= q_idx + 10
+        direct, _ = attention_reference(*(jnp.asarray(x, jnp.float64) for x in (q, k[:, :, :13], v[:, :, :13])),
+                                        mask_mod=shifted_causal)
+    np.testing.assert_allclose(ref, direct, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_low_precision(dtype):
+    q, k, v, lens = _inputs(5, 2, 8, 2, 16, 70, 64, jnp.dtype(dtype))
+    ref_out, ref_lse = _reference(q, k, v, lens)
+    for impl in IMPLS:
+        out, lse = flashlax.decode_attention(q, k, v, kv_lens=lens, return_lse=True, impl=impl)
+        _check(out, lse, ref_out, ref_lse, q.dtype)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_kv_lens_never_recompile(impl):
+    q, k, v, _ = _inputs(6, 2, 4, 2, 4, 64, 32)
+    f = jax.jit(lambda q, k, v, lens: flashlax.decode_attention(q, k, v, kv_lens=lens, impl=impl))
+    for lens in ([4, 64], [30, 9], [64, 64], [5, 33]):
+        lens = jnp.asarray(lens, jnp.int32)
+        out = f(q, k, v, lens)
+        assert rel_err(out, _reference(q, k, v, lens)[0]) <= TOLERANCES["float32"]
+    assert f._cache_size() == 1
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_default_kv_lens_is_full_cache(impl):
+    q, k, v, _ = _inputs(7, 1, 4, 4, 2, 33, 32)
+    full = jnp.array([33], jnp.int32)
+    np.testing.assert_array_equal(flashlax.decode_attention(q, k, v, impl=impl),
+                                  flashlax.decode_attention(q, k, v, kv_lens=full, impl=impl))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_deterministic_and_vmap(impl):
+    q, k, v, lens = _inputs(8, 2, 4, 2, 4, 50, 32)
+    f = jax.jit(lambda q, k, v, lens: flashlax.decode_attention(q, k, v, kv_lens=lens, num_splits=2, impl=impl))
+    np.testing.assert_array_equal(f(q, k, v, lens), f(q, k, v, lens))
+    stacked = jax.vmap(f)(q[:, None], k[:, None], v[:, None], lens[:, None])[:, 0]
+    np.testing.assert_allclose(stacked, f(q, k, v, lens), rtol=1e-5, atol=1e-6)
+
+
+def test_num_splits_choice():
+    assert choose_num_splits(1, 8, 65536, backend="cpu") == 1
+    gpu = choose_num_splits(1, 8, 65536, backend="gpu")
+    assert 1 < gpu <= 64 and 65536 // gpu >= 512
+    assert choose_num_splits(64, 8, 4096, backend="gpu") == 1
+
+
+def _bad_calls():
+    q = jnp.ones((2, 4, 2, 16))
+    k = jnp.ones((2, 2, 20, 16))
+    return [
+        ("1..16 new tokens", (jnp.ones((2, 4, 17, 16)), k, k), {}),
+        ("kv_lens must lie in", (q, k, k), dict(kv_lens=jnp.array([21, 5], jnp.int32))),
+        ("kv_lens must lie in", (q, k, k), dict(kv_lens=jnp.array([1, 5], jnp.int32))),
+        ("kv_lens must be int32 [B=2]", (q, k, k), dict(kv_lens=jnp.array([5, 5, 5], jnp.int32))),
+        ("kv_lens must be int32 [B=2]", (q, k, k), dict(kv_lens=jnp.array([5.0, 5.0]))),
+        ("batch sizes", (jnp.ones((1, 4, 2, 16)), k, k), {}),
+        ("multiple of cache heads", (jnp.ones((2, 3, 2, 16)), k, k), {}),
+        ("head dims", (jnp.ones((2, 4, 2, 8)), k, k), {}),
+        ("must agree in", (q, k, jnp.ones((2, 2, 19, 16))), {}),
+        ("num_splits", (q, k, k), dict(num_splits=0)),
+        ("mask_mod must be callable", (q, k, k), dict(mask_mod=1)),
+        ("share a dtype", (q.astype(jnp.bfloat16), k, k), {}),
+        ("unknown impl", (q, k, k), dict(impl="nope")),
+    ]
+
+
+@pytest.mark.parametrize("message,args,kwargs", _bad_calls(), ids=[f"{i}-{c[0]}" for i, c in enumerate(_bad_calls())])
+def test_errors(message, args, kwargs):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        flashlax.decode_attention(*args, **kwargs)
+
+
+def test_traced_kv_lens_are_not_range_checked():
+    q, k, v, _ = _inputs(9, 1, 2, 1, 1, 10, 16)
+    out = jax.jit(lambda lens: flashlax.decode_attention(q, k, v, kv_lens=lens))(jnp.array([7], jnp.int32))
+    assert np.all(np.isfinite(out))
