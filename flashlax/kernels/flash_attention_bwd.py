@@ -345,7 +345,7 @@ def _full_spec(x):
     return pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
 
 
-def flash_attention_bwd(q, k, v, out, lse, dout, *, block_mask: BlockMask, score_mod=None, mask_mod=None,
+def flash_attention_bwd(q, k, v, out, lse, dout, *, block_mask: BlockMask | None, score_mod=None, mask_mod=None,
                         captured: Sequence[jax.Array] | dict = (), scale: float, config: Any = None,
                         interpret: bool = False):
     """Backward of flex_attention. Returns (dq, dk, dv, dcaptured).
@@ -367,13 +367,18 @@ def flash_attention_bwd(q, k, v, out, lse, dout, *, block_mask: BlockMask, score
         kind = None if not interpret else "cpu-interpret"
         bwd = default_bwd_config(d, dv, q.dtype, kind)
         bwd.check_smem(d, dv, q.dtype.itemsize, SMEM_LIMITS[device_family(kind)])
+        # Tiles no longer than the (power-of-two padded) sequences: tiny inputs launch tiny tiles.
+        cq, ckv = max(16, _pow2(lq)), max(16, _pow2(lkv))
+        bwd = dataclasses.replace(bwd, block_q_dkv=min(bwd.block_q_dkv, cq), block_q_dq=min(bwd.block_q_dq, cq),
+                                  block_kv_dkv=min(bwd.block_kv_dkv, ckv), block_kv_dq=min(bwd.block_kv_dq, ckv))
+    if mask_mod is None and block_mask is not None and block_mask.mask_mod is not None:
+        # The block mask's own mod (no converted captures): partial tiles still need it.
+        mask_mod, cap["mask"] = block_mask.mask_mod, ()
+    block_mask = _fit_block_mask(block_mask, mask_mod, cap, bsz, hq, lq, lkv, bwd)
     mask_bq, mask_bkv = block_mask.block_q, block_mask.block_kv
     bm_dep = block_mask.kv_num_blocks.shape[0] > 1
     hm_dep = block_mask.kv_num_blocks.shape[1] > 1
     dp_, dvp = _pow2(d), _pow2(dv)
-    if mask_mod is None and block_mask.mask_mod is not None:
-        # The block mask's own mod (no converted captures): partial tiles still need it.
-        mask_mod, cap["mask"] = block_mask.mask_mod, ()
 
     # 1. delta = rowsum(dout * out), float32.
     blk = min(bwd.block_delta, _pow2(lq))
@@ -438,6 +443,31 @@ def flash_attention_bwd(q, k, v, out, lse, dout, *, block_mask: BlockMask, score
     if not isinstance(captured, dict):
         dcap = dcap["score"]
     return dq, dk, dv_out, dcap
+
+
+def _fit_block_mask(block_mask, mask_mod, cap, bsz, hq, lq, lkv, bwd: BwdConfig) -> BlockMask:
+    """A block mask whose tiles the backward tiles divide.
+
+    The kernels visit backward tiles as sub-tiles of block-mask tiles. When the forward's mask tiles are
+    smaller than (or not a multiple of) the backward's preferred tiles, the mask is rebuilt from its
+    mask_mod with tiles (max block_q, max block_kv) of the config (one XLA pass over the mask plane);
+    without a mask_mod the given tiles are kept and the kernels use the largest dividing sub-tiles.
+    ``block_mask=None`` means no mask: every tile full.
+    """
+    tq = max(bwd.block_q_dkv, bwd.block_q_dq)
+    tkv = max(bwd.block_kv_dkv, bwd.block_kv_dq)
+    if block_mask is None:
+        return masks_lib.create_block_mask(None, None, None, lq, lkv, block_q=tq, block_kv=tkv)
+    if (block_mask.block_q % tq == 0 and block_mask.block_kv % tkv == 0) or mask_mod is None:
+        return block_mask
+    bm_b, bm_h = block_mask.kv_num_blocks.shape[:2]
+    mask_caps = cap["mask"]
+
+    def plain(b, h, q_idx, kv_idx):
+        return mask_mod(*mask_caps, b, h, q_idx, kv_idx)
+
+    return masks_lib.create_block_mask(plain, bsz if bm_b > 1 else None, hq if bm_h > 1 else None, lq, lkv,
+                                       block_q=tq, block_kv=tkv)
 
 
 def _normalize_captured(captured) -> dict:
