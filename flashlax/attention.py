@@ -184,8 +184,11 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     mask_mods = []
     if mask is not None:
         mask = _ensure_4d(mask)
-        if mask.dtype != jnp.bool_:
-            raise ValueError(f"{op}: mask must be bool, got {mask.dtype} (shape {mask.shape})")
+        if mask.dtype != jnp.bool_:  # flax builds float masks (1 = attend); jax itself wants bool
+            if not (jnp.issubdtype(mask.dtype, jnp.number)):
+                raise ValueError(f"{op}: mask must be bool (or numeric, nonzero = attend), got {mask.dtype} "
+                                 f"(shape {mask.shape})")
+            mask = mask != 0
         mask_mods.append(_broadcast_lookup(mask, "mask", full_shape))
     if is_causal:
         mask_mods.append(masks_lib.causal)

@@ -1,0 +1,185 @@
+"""dot_product_attention: a drop-in for jax.nn.dot_product_attention (checked against jax in float64)
+and for flax's attention_fn."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import flashlax
+from conftest import TOLERANCES, rel_err
+
+B, T, S, N, K, H = 2, 13, 17, 6, 2, 32
+
+
+def _inputs(seed=0, dtype=jnp.float32, t=T, s=S, n=N, k=K, h=H):
+    keys = jax.random.split(jax.random.PRNGKey(seed), 7)
+    q = jax.random.normal(keys[0], (B, t, n, h), jnp.float32).astype(dtype)
+    key = jax.random.normal(keys[1], (B, s, k, h), jnp.float32).astype(dtype)
+    value = jax.random.normal(keys[2], (B, s, k, h), jnp.float32).astype(dtype)
+    extras = dict(
+        bias=jax.random.normal(keys[3], (1, n, t, s), jnp.float32),
+        bias_b=jax.random.normal(keys[3], (B, 1, 1, s), jnp.float32),
+        mask=jax.random.bernoulli(keys[4], 0.7, (B, 1, t, s)).at[0, 0, 3].set(False),  # a fully masked row
+        mask_full=jax.random.bernoulli(keys[4], 0.8, (B, n, t, s)),
+        dout=jax.random.normal(keys[5], (B, t, n, h), jnp.float32),
+    )
+    return q, key, value, extras
+
+
+CASES = {
+    "plain": {},
+    "causal": dict(is_causal=True),
+    "bias": dict(bias="bias"),
+    "bias_broadcast_heads_query": dict(bias="bias_b"),
+    "mask": dict(mask="mask"),
+    "mask_per_head": dict(mask="mask_full"),
+    "window_tuple": dict(local_window_size=(3, 1)),
+    "window_int_causal": dict(local_window_size=4, is_causal=True),
+    "scale": dict(scale=0.21, bias="bias"),
+    "seq_lengths": dict(query_seq_lengths=[5, 13], key_value_seq_lengths=[9, 17]),
+    "seq_lengths_empty_kv_causal_bias": dict(query_seq_lengths=[13, 7], key_value_seq_lengths=[0, 11],
+                                             is_causal=True, bias="bias"),
+    "everything": dict(mask="mask", bias="bias", is_causal=True, local_window_size=(5, 0),
+                       key_value_seq_lengths=[12, 17], scale=0.3),
+}
+
+
+def _kwargs(case, extras):
+    kw = {}
+    for name, value in CASES[case].items():
+        if name in ("bias", "mask"):
+            value = extras[value]
+        elif name.endswith("seq_lengths"):
+            value = jnp.asarray(value, jnp.int32)
+        kw[name] = value
+    return kw
+
+
+def _loss_and_grads(fn, q, k, v, kw, dout):
+    has_bias = "bias" in kw
+
+    def loss(q, k, v, bias):
+        call_kw = dict(kw, bias=bias) if has_bias else kw
+        out = fn(q, k, v, **call_kw)
+        return jnp.sum(out * dout.astype(out.dtype)), out
+
+    argnums = (0, 1, 2, 3) if has_bias else (0, 1, 2)
+    (_, out), grads = jax.value_and_grad(loss, argnums, has_aux=True)(q, k, v, kw.get("bias"))
+    return out, grads
+
+
+@pytest.mark.parametrize("case,implementation", [(case, None) for case in CASES] + [("everything", "xla")])
+def test_matches_jax_float64(case, implementation):
+    """Outputs and gradients (query, key, value, bias) against jax.nn.dot_product_attention in float64."""
+    q, k, v, extras = _inputs(seed=len(case))
+    kw = _kwargs(case, extras)
+    out, grads = jax.jit(lambda q, k, v: _loss_and_grads(
+        lambda *a, **k_: flashlax.dot_product_attention(*a, implementation=implementation, **k_), q, k, v, kw,
+        extras["dout"]))(q, k, v)
+    with jax.enable_x64():
+        to64 = lambda x: jnp.asarray(x, jnp.float64) if jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating) else x
+        kw64 = {name: to64(x) if name == "bias" else x for name, x in kw.items()}
+        ref, ref_grads = _loss_and_grads(jax.nn.dot_product_attention, to64(q), to64(k), to64(v), kw64,
+                                         to64(extras["dout"]))
+        ref, ref_grads = np.asarray(ref), [np.asarray(g) for g in ref_grads]
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert rel_err(out, ref) <= TOLERANCES["float32"]
+    for name, g, ref_g in zip(("dquery", "dkey", "dvalue", "dbias"), grads, ref_grads):
+        assert g.shape == ref_g.shape
+        assert rel_err(g, ref_g) <= 4 * TOLERANCES["float32"], name
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_low_precision_matches_jax(dtype):
+    q, k, v, extras = _inputs(seed=3, dtype=jnp.dtype(dtype))
+    kw = dict(is_causal=True, bias=extras["bias"].astype(dtype))
+    out = flashlax.dot_product_attention(q, k, v, **kw)
+    with jax.enable_x64():
+        ref = jax.nn.dot_product_attention(*(jnp.asarray(x, jnp.float64) for x in (q, k, v)), is_causal=True,
+                                           bias=jnp.asarray(kw["bias"], jnp.float64))
+    assert out.dtype == q.dtype
+    assert rel_err(out, ref) <= TOLERANCES[dtype]
+
+
+def test_three_dim_inputs_and_mqa():
+    q, k, v, _ = _inputs(seed=4, k=1)
+    out = flashlax.dot_product_attention(q[0], k[0], v[0], is_causal=True)
+    ref = jax.nn.dot_product_attention(q[0], k[0], v[0], is_causal=True)
+    assert out.shape == q[0].shape
+    assert rel_err(out, ref) <= TOLERANCES["float32"]
+
+
+def test_return_residual():
+    q, k, v, _ = _inputs(seed=5)
+    out, lse = flashlax.dot_product_attention(q, k, v, is_causal=True, return_residual=True)
+    ref_out, ref_lse = jax.nn.dot_product_attention(q, k, v, is_causal=True, return_residual=True)
+    assert lse.shape == ref_lse.shape == (B, T, N)
+    assert rel_err(out, ref_out) <= TOLERANCES["float32"]
+    assert rel_err(lse, ref_lse) <= TOLERANCES["float32"]
+
+
+def test_flax_nnx_attention_fn():
+    nnx = pytest.importorskip("flax.nnx")
+    features, heads, length = 48, 4, 11
+    x = jax.random.normal(jax.random.PRNGKey(0), (2, length, features))
+    mask = nnx.make_causal_mask(jnp.ones((2, length)))
+    mask = mask * (jax.random.uniform(jax.random.PRNGKey(1), (2, 1, length, length)) < 0.8)  # float, as flax's
+    make = lambda fn: nnx.MultiHeadAttention(num_heads=heads, in_features=features, decode=False,
+                                             attention_fn=fn, rngs=nnx.Rngs(0))
+    ours, theirs = make(flashlax.dot_product_attention), make(nnx.dot_product_attention)
+    out = nnx.jit(lambda m, x, mask: m(x, mask=mask))(ours, x, mask)
+    ref = theirs(x, mask=mask)
+    assert out.shape == ref.shape
+    assert rel_err(out, ref) <= TOLERANCES["float32"]
+
+
+def test_flax_linen_attention_fn():
+    linen = pytest.importorskip("flax.linen")
+    features, heads, length = 32, 4, 9
+    x = jax.random.normal(jax.random.PRNGKey(2), (2, length, features))
+    mask = linen.make_causal_mask(jnp.ones((2, length)))
+    ours = linen.MultiHeadDotProductAttention(num_heads=heads, attention_fn=flashlax.dot_product_attention)
+    theirs = linen.MultiHeadDotProductAttention(num_heads=heads)
+    params = theirs.init(jax.random.PRNGKey(3), x, mask=mask)
+    out, ref = ours.apply(params, x, mask=mask), theirs.apply(params, x, mask=mask)
+    assert rel_err(out, ref) <= TOLERANCES["float32"]
+
+
+def test_dropout_is_refused():
+    q, k, v, _ = _inputs()
+    with pytest.raises(ValueError, match="dropout"):
+        flashlax.dot_product_attention(q, k, v, dropout_rate=0.1, deterministic=False)
+    flashlax.dot_product_attention(q, k, v, dropout_rate=0.1, deterministic=True)  # inference: fine
+
+
+def test_pallas_implementation_on_cpu():
+    if flashlax.dispatch.backend_family() == "gpu":
+        pytest.skip("CPU-only check")
+    q, k, v, _ = _inputs()
+    with pytest.raises(RuntimeError, match="pallas requires an accelerator backend."):
+        flashlax.dot_product_attention(q, k, v, implementation="pallas")
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(implementation="triton"), "unsupported implementation"),
+    (dict(mask=jnp.ones((1, 1, T, S + 1), bool)), "mask shape"),
+    (dict(bias=jnp.ones((1, 4, T, S))), "not broadcastable"),
+    (dict(bias=jnp.ones((1, 1, 1, T, S))), "bias must be 4-D"),
+    (dict(query_seq_lengths=jnp.ones((B,), jnp.float32)), "query_seq_lengths must be int32"),
+    (dict(key_value_seq_lengths=jnp.ones((B + 1,), jnp.int32)), "key_value_seq_lengths must be int32"),
+])
+def test_errors(kwargs, message):
+    q, k, v, _ = _inputs()
+    with pytest.raises(ValueError, match=message):
+        flashlax.dot_product_attention(q, k, v, **kwargs)
+
+
+def test_shape_errors():
+    q, k, v, _ = _inputs()
+    with pytest.raises(ValueError, match="multiple of key/value heads"):
+        flashlax.dot_product_attention(q[:, :, :5], k, v)
+    with pytest.raises(ValueError, match="value must have the shape of key"):
+        flashlax.dot_product_attention(q, k, v[:, :-1])
+    with pytest.raises(ValueError, match="share a dtype"):
+        flashlax.dot_product_attention(q.astype(jnp.bfloat16), k, v)
