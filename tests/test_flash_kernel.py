@@ -82,6 +82,8 @@ CASES = [
     ("g2_softcap_dv_ne_d", 1, 4, 2, 33, 40, 64, 32, None, "softcap"),
     ("g4_causal_relbias", 1, 4, 1, 41, 41, 32, 32, "causal", "relative_bias"),
     ("g2_fully_masked_rows", 1, 2, 1, 40, 40, 32, 32, "late", None),
+    # full tiles 0 and 2 with a gap: the non-consecutive part of the list goes through the index ref
+    ("g2_striped_full_tiles", 1, 2, 1, 30, 96, 32, 32, "striped", None),
 ]
 
 
@@ -90,7 +92,8 @@ def _mods(mask, mod, bsz, hq, lq, lkv):
     mask_mod = {None: None, "causal": masks.causal, "window": masks.sliding_window(7, 3),
                 "document": masks.document(seg[:, :lq], seg[:, :lkv]), "prefix": masks.prefix_lm(9),
                 # rows < 20 see nothing: fully masked rows must give 0 and lse -inf
-                "late": lambda b, h, i, j: (i >= 20) & (j <= i)}[mask]
+                "late": lambda b, h, i, j: (i >= 20) & (j <= i),
+                "striped": lambda b, h, i, j: (j // 32) % 2 == 0}[mask]
     keys = jax.random.split(jax.random.PRNGKey(7), 2)
     score_mod = {None: None, "alibi": score_mods.alibi(jax.random.uniform(keys[0], (hq,))),
                  "softcap": score_mods.softcap(2.0),

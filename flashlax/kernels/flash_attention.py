@@ -64,8 +64,8 @@ def _fwd_kernel(*refs, st: _Static, n_cap: int, bm_dep: bool, hm_dep: bool, lq: 
     q_ref, k_ref, v_ref = refs[:3]
     pos = 3
     if st.has_block_mask:
-        kv_num_ref, kv_idx_ref, full_num_ref, full_idx_ref = refs[3:7]
-        pos = 7
+        kv_num_ref, kv_idx_ref, full_num_ref, full_idx_ref, full_first_ref, full_run_ref = refs[3:9]
+        pos = 9
     cap_refs = refs[pos:pos + n_cap]
     o_ref, lse_ref = refs[pos + n_cap:]
     score_caps, mask_caps = cap_refs[:st.n_score_cap], cap_refs[st.n_score_cap:]
@@ -116,10 +116,13 @@ def _fwd_kernel(*refs, st: _Static, n_cap: int, bm_dep: bool, hm_dep: bool, lq: 
     carry = (jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32),
              jnp.zeros((bq, dvp), jnp.float32))
     if st.has_block_mask:
-        def full_body(j, c):
-            return visit(full_idx_ref[j], c, masked=False)
-
-        carry = lax.fori_loop(0, full_num_ref[0], full_body, carry)
+        # Full tiles: the leading run of consecutive tile indices (all of them for causal, sliding-window
+        # and document masks) is visited by address arithmetic, which Triton software-pipelines like a
+        # dense loop; only the rest of the list, if any, is read through the index ref.
+        first = full_first_ref[0]
+        carry = lax.fori_loop(0, full_run_ref[0], lambda j, c: visit(first + j, c, masked=False), carry)
+        carry = lax.fori_loop(full_run_ref[0], full_num_ref[0],
+                              lambda j, c: visit(full_idx_ref[j], c, masked=False), carry)
         if st.mask_mod is not None:
             def partial_body(j, c):
                 return visit(kv_idx_ref[j], c, masked=True)
@@ -144,6 +147,16 @@ def _mask3(gp, start, rows, n_rows, cols, n_cols):
     """bool [gp, rows, cols]: in-range rows (start + i < n_rows) and columns (< n_cols) of a head group."""
     ok = _tiles.row_mask(start, rows, n_rows)[None, :, None] & (jnp.arange(cols) < n_cols)[None, None, :]
     return jnp.broadcast_to(ok, (gp, rows, cols))
+
+
+def _leading_run(count, indices):
+    """(first [..., n], run [..., n]) int32: each row's first tile index and the length of the run of
+    consecutive indices first, first+1, ... at the start of its list (at most ``count``)."""
+    first = indices[..., 0]
+    j = jnp.arange(indices.shape[-1], dtype=jnp.int32)
+    consecutive = (indices == first[..., None] + j) & (j < count[..., None])
+    run = jnp.cumprod(consecutive.astype(jnp.int32), axis=-1).sum(-1, dtype=jnp.int32)
+    return first.astype(jnp.int32), run
 
 
 def _forward_call(st: _Static, q, k, v, bm: masks_lib.BlockMask | None, captured):
@@ -172,8 +185,9 @@ def _forward_call(st: _Static, q, k, v, bm: masks_lib.BlockMask | None, captured
         sel_h = (lambda h: h) if hm_dep else (lambda h: 0)
         num_spec = pl.BlockSpec((None, None, 1), lambda h, i, b: (sel_b(b), sel_h(h), rev(i)))
         idx_spec = pl.BlockSpec((None, None, None, nkv), lambda h, i, b: (sel_b(b), sel_h(h), rev(i), 0))
-        in_specs += [num_spec, idx_spec, num_spec, idx_spec]
-        args += [bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices]
+        in_specs += [num_spec, idx_spec, num_spec, idx_spec, num_spec, num_spec]
+        args += [bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices,
+                 *_leading_run(bm.full_kv_num_blocks, bm.full_kv_indices)]
     in_specs += _tiles.captured_specs(captured)
     args += list(captured)
 
@@ -247,9 +261,7 @@ def _split_mods(st: _Static):
 
 def _kernel_vjp(st, q, k, v, bm, captured, out, lse, dout):
     score, mask = _split_mods(st)
-    if bm is None:
-        bm = masks_lib.create_block_mask(None, None, None, q.shape[2], k.shape[2],
-                                         block_q=st.config.block_q, block_kv=st.config.block_kv)
+    # bm None (no mask): the backward builds an all-full mask with its own tiles.
     caps = {"score": tuple(captured[:st.n_score_cap]), "mask": tuple(captured[st.n_score_cap:])}
     dq, dk, dv, dcap = _kernel_bwd()(q, k, v, out, lse, dout, block_mask=bm, score_mod=score,
                                      mask_mod=mask, captured=caps, scale=st.scale, config=None,
