@@ -223,6 +223,8 @@ def timing(args):
     ]
     if args.quick:
         sweep = sweep[:3]
+    if args.final:
+        return timing_final(args)
     top = sweep[:4]
     b = args.budget
     T, T2, H, HKV = (4096, 16384, 32, 8) if not args.smoke else (64, 128, 4, 2)
@@ -250,6 +252,32 @@ def timing(args):
     return out
 
 
+def timing_final(args):
+    """The confirming run: shipped defaults against cuDNN and the previous defaults."""
+    C = FlashConfig
+    b = args.budget
+    T, T2, H, HKV = (4096, 16384, 32, 8) if not args.smoke else (64, 128, 4, 2)
+    d_ = [("default", None)]
+    old = [("128x64 w8 s3 (old default)", C(128, 64, 8, 3))]
+    out = {}
+    out["B2 T4096 causal"] = time_shape("B2 T4096 d128", 2, H, HKV, T, 128, "causal",
+                                        d_ + old + [("128x128 w8 s2", C(128, 128, 8, 2))], b)
+    out["B1 T16384 causal"] = time_shape("B1 T16384 d128", 1, H, HKV, T2, 128, "causal",
+                                         d_ + [("128x128 w8 s2", C(128, 128, 8, 2))], b)
+    out["B1 T16384 window"] = time_shape("B1 T16384 d128", 1, H, HKV, T2, 128, "window1024", d_, b)
+    out["B1 T16384 doc8"] = time_shape("B1 T16384 d128", 1, H, HKV, T2, 128, "doc8", d_ + old, b, cudnn=False)
+    out["B1 T16384 doc8c"] = time_shape("B1 T16384 d128", 1, H, HKV, T2, 128, "doc8+causal", d_, b, cudnn=False)
+    out["B2 T4096 full"] = time_shape("B2 T4096 d128", 2, H, HKV, T, 128, "full",
+                                      d_ + [("all-full block mask", "allfull")], b)
+    out["B2 T4096 d64 causal"] = time_shape("B2 T4096 d64", 2, H, HKV, T, 64, "causal",
+                                            d_ + [("128x64 w4 s3", C(128, 64, 4, 3))], b)
+    out["B2 T4096 d256 causal"] = time_shape("B2 T4096 d256", 2, H, HKV, T, 256, "causal", d_, b)
+    out["B2 T4096 f32 causal"] = time_shape("B2 T4096 d128 f32", 2, H, HKV, T, 128, "causal",
+                                            d_ + [("32x32 w4 s2", C(32, 32, 4, 2)), ("64x16 w4 s3", C(64, 16, 4, 3))],
+                                            b, dtype=jnp.float32, cudnn=False)
+    return out
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=None)
@@ -257,6 +285,7 @@ def main():
     p.add_argument("--quick", action="store_true")
     p.add_argument("--skip-check", action="store_true")
     p.add_argument("--small-check", action="store_true")
+    p.add_argument("--final", action="store_true", help="confirming run of the shipped defaults")
     p.add_argument("--skip-time", action="store_true")
     p.add_argument("--smoke", action="store_true", help="CPU smoke test: interpret=True, tiny shapes")
     args = p.parse_args()
