@@ -32,7 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from flashlax import masks as masks_lib
-from flashlax.kernels._tiles import LOG2E, dot_nn, dot_nt, dot_precision, dot_tn
+from flashlax.kernels._tiles import LOG2E, dot_nn, dot_nt, dot_precision, dot_tn, exp2
 from flashlax.kernels.configs import SMEM_LIMITS, device_family
 from flashlax.masks import BlockMask
 
@@ -147,16 +147,19 @@ def _edge_mask(start, rows: int, n_rows: int, cols: int | None = None, n_cols: i
     return row_ok if col_ok is None else row_ok & col_ok
 
 
-def _load_rows(ref, start, rows: int, n_rows: int, cols: int, n_cols: int, rows_exact: bool = False):
+def _load_rows(ref, start, rows: int, n_rows: int, cols: int, n_cols: int, rows_exact: bool = False,
+               lead=None):
     """[rows, cols] tile of a [n_rows, n_cols] ref from row ``start``; zeros outside the array (cols is
-    n_cols rounded up to a power of two, as Triton tiles must be)."""
+    n_cols rounded up to a power of two, as Triton tiles must be). ``lead``: an index into a leading
+    axis, folded into the same indexer (the Triton lowering takes one indexer per load)."""
     mask = _edge_mask(start, rows, n_rows, cols, n_cols, rows_exact)
-    view = ref.at[pl.ds(start, rows), pl.ds(0, cols)]
+    idx = (pl.ds(start, rows), pl.ds(0, cols))
+    view = ref.at[idx if lead is None else (lead, *idx)]
     return plgpu.load(view) if mask is None else plgpu.load(view, mask=mask, other=0.0)
 
 
-def _load_vec(ref, start, rows: int, n_rows: int, rows_exact: bool = False):
-    view = ref.at[pl.ds(start, rows)]
+def _load_vec(ref, start, rows: int, n_rows: int, rows_exact: bool = False, lead=None):
+    view = ref.at[pl.ds(start, rows)] if lead is None else ref.at[lead, pl.ds(start, rows)]
     if rows_exact:
         return plgpu.load(view)
     return plgpu.load(view, mask=_edge_mask(start, rows, n_rows), other=0.0)
@@ -169,7 +172,7 @@ def _store_rows(ref, start, val, n_rows: int, n_cols: int, rows_exact: bool = Fa
 
 
 def _ds_tile(q, k, v, do, lse, delta, *, b, h, q_start, kv_start, lq, lkv, scale, partial,
-             score_mod, mask_mod, captured, q_exact, kv_exact):
+             score_mod, mask_mod, captured, q_exact, kv_exact, interpret):
     """Recomputes P for one [bq, bkv] tile and returns (P, dS) in float32, dS w.r.t. q.k (scale included).
 
     lse = -inf (fully masked row) -> P = 0 exactly: the lse is replaced by +inf so exp(s - lse) = 0
@@ -189,7 +192,7 @@ def _ds_tile(q, k, v, do, lse, delta, *, b, h, q_start, kv_start, lq, lkv, scale
     prec = dot_precision(q.dtype)
     qk = dot_nt(q, k, prec)
     if score_mod is None:
-        p = jnp.exp2(qk * (scale * LOG2E) - lse_safe * LOG2E)
+        p = exp2(qk * (scale * LOG2E) - lse_safe * LOG2E, interpret)      # MUFU ex2 on the GPU
         dmod = None
     else:
         s = qk * scale
@@ -236,17 +239,20 @@ def _mask_loop(num_ref, idx_ref, bm, hm, mt, sub: int, body, carry):
     A block-mask tile holds ``sub`` backward tiles; tile indices come from the int32 index list, so the
     trip count is data dependent (empty tiles are never visited).
     """
+    if sub == 1:
+        return lax.fori_loop(0, num_ref[bm, hm, mt], lambda i, c: body(idx_ref[bm, hm, mt, i], c), carry)
     n = num_ref[bm, hm, mt] * sub
+    sub_ = jnp.int32(sub)
 
     def step(i, c):
-        tile = idx_ref[bm, hm, mt, i // sub] * sub + i % sub
+        tile = idx_ref[bm, hm, mt, lax.div(i, sub_)] * sub_ + lax.rem(i, sub_)
         return body(tile, c)
 
     return lax.fori_loop(0, n, step, carry)
 
 
 def _dkdv_kernel(*refs, n_cap, groups, bq, bkv, mask_bq, mask_bkv, lq, lkv, d, dv, scale,
-                 bm_dep, hm_dep, score_mod, mask_mod, cap_split):
+                 bm_dep, hm_dep, score_mod, mask_mod, cap_split, interpret):
     # Query tiles are visited as sub-tiles of block-mask tiles, which may stick out past Lq even when
     # Lq is a multiple of bq: loads need no mask only when Lq is a multiple of the mask tile.
     q_exact, kv_exact = lq % mask_bq == 0, lkv % bkv == 0
@@ -272,13 +278,14 @@ def _dkdv_kernel(*refs, n_cap, groups, bq, bkv, mask_bq, mask_bkv, lq, lkv, d, d
             def body(qt, c):
                 dk_acc, dv_acc = c
                 q_start = pl.multiple_of(qt * bq, bq)
-                q = _load_rows(q_ref.at[g], q_start, bq, lq, dp_, d, q_exact)
-                do = _load_rows(do_ref.at[g], q_start, bq, lq, dvp, dv, q_exact)
-                lse = _load_vec(lse_ref.at[g], q_start, bq, lq, q_exact)
-                delta = _load_vec(delta_ref.at[g], q_start, bq, lq, q_exact)
+                q = _load_rows(q_ref, q_start, bq, lq, dp_, d, q_exact, lead=g)
+                do = _load_rows(do_ref, q_start, bq, lq, dvp, dv, q_exact, lead=g)
+                lse = _load_vec(lse_ref, q_start, bq, lq, q_exact, lead=g)
+                delta = _load_vec(delta_ref, q_start, bq, lq, q_exact, lead=g)
                 p, ds = _ds_tile(q, k, v, do, lse, delta, b=b, h=h, q_start=q_start, kv_start=kv_start,
                                  lq=lq, lkv=lkv, scale=scale, partial=partial, score_mod=score_mod,
-                                 mask_mod=mask_mod, captured=captured, q_exact=q_exact, kv_exact=kv_exact)
+                                 mask_mod=mask_mod, captured=captured, q_exact=q_exact, kv_exact=kv_exact,
+                                 interpret=interpret)
                 prec = dot_precision(q.dtype)
                 dv_acc = dv_acc + dot_tn(p.astype(do.dtype), do, prec)
                 dk_acc = dk_acc + dot_tn(ds.astype(q.dtype), q, prec)
@@ -296,7 +303,7 @@ def _dkdv_kernel(*refs, n_cap, groups, bq, bkv, mask_bq, mask_bkv, lq, lkv, d, d
 
 
 def _dq_kernel(*refs, n_cap, groups, bq, bkv, mask_bq, mask_bkv, lq, lkv, d, dv, scale,
-               bm_dep, hm_dep, score_mod, mask_mod, cap_split):
+               bm_dep, hm_dep, score_mod, mask_mod, cap_split, interpret):
     q_exact, kv_exact = lq % bq == 0, lkv % mask_bkv == 0      # as in _dkdv_kernel, with q and kv swapped
     (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
      kn_ref, ki_ref, fkn_ref, fki_ref) = refs[:10]
@@ -322,7 +329,8 @@ def _dq_kernel(*refs, n_cap, groups, bq, bkv, mask_bq, mask_bkv, lq, lkv, d, dv,
             v = _load_rows(v_ref, kv_start, bkv, lkv, dvp, dv, kv_exact)
             _, ds = _ds_tile(q, k, v, do, lse, delta, b=b, h=h, q_start=q_start, kv_start=kv_start,
                              lq=lq, lkv=lkv, scale=scale, partial=partial, score_mod=score_mod,
-                             mask_mod=mask_mod, captured=captured, q_exact=q_exact, kv_exact=kv_exact)
+                             mask_mod=mask_mod, captured=captured, q_exact=q_exact, kv_exact=kv_exact,
+                             interpret=interpret)
             return dq_acc + dot_nn(ds.astype(k.dtype), k, dot_precision(k.dtype))
         return body
 
@@ -397,7 +405,7 @@ def flash_attention_bwd(q, k, v, out, lse, dout, *, block_mask: BlockMask | None
     cap_split = len(cap["score"])
     common = dict(n_cap=len(cap_values), groups=groups, mask_bq=mask_bq, mask_bkv=mask_bkv, lq=lq, lkv=lkv,
                   d=d, dv=dv, scale=float(scale), bm_dep=bm_dep, hm_dep=hm_dep, score_mod=score_mod,
-                  mask_mod=mask_mod, cap_split=cap_split)
+                  mask_mod=mask_mod, cap_split=cap_split, interpret=interpret)
     bmk = block_mask
     cap_specs = [_full_spec(c) for c in cap_values]
 
