@@ -152,13 +152,19 @@ def plot(data: dict, path: str) -> str:
                    and len({json.dumps(r.get(k)) for r in rows}) > 1]
         if suite == "decode" and len({r.get("lq") for r in rows}) > 1:
             varying.append("lq")
-        lines: dict[str, list[tuple[int, float]]] = defaultdict(list)
+        lines: dict[tuple[str, str], list[tuple[int, float]]] = defaultdict(list)
         for row in rows:
-            label = " ".join([impl_label(row)] + [f"{k}={row.get(k)}" for k in varying])
-            lines[label].append((_seq_of(row), _ms(row)))
-        for label, points in sorted(lines.items()):
+            variant = " ".join(f"{k}={row.get(k)}" for k in varying)
+            lines[(impl_label(row), variant)].append((_seq_of(row), _ms(row)))
+        impls = sorted({impl for impl, _ in lines})
+        variants = sorted({variant for _, variant in lines})
+        # colour = implementation, marker and line style = the other shape fields
+        for (impl, variant), points in sorted(lines.items()):
             points.sort()
-            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
+            v = variants.index(variant)
+            ax.plot([p[0] for p in points], [p[1] for p in points], color=f"C{impls.index(impl) % 10}",
+                    marker="os^vDP*X"[v % 8], linestyle=("-", "--", ":", "-.")[v % 4],
+                    label=f"{impl} {variant}".strip())
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("KV length" if suite == "decode" else "sequence length")
