@@ -294,3 +294,33 @@ def test_bwd_gpu(dtype, mask):
     case = Case(bsz=1, hq=8, hkv=2, lq=1000, lkv=1000, d=128, mask=mask, mod="softcap" if mask else None,
                 block_q=128, block_kv=128, dtype=dtype)
     check_case(case, config=fab.default_bwd_config(128, 128, case.dtype), interpret=False)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_kernels_lower_to_triton(dtype):
+    """The three kernels go through the Pallas Triton lowering (for an abstract H200, no GPU needed):
+    catches what the interpreter accepts but the Triton lowering does not (several indexers on one load,
+    non-power-of-two tiles, mixed integer widths)."""
+    abstract = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="gpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=abstract)
+    bsz, hq, hkv, length, d = 1, 4, 2, 200, 96
+    seg = jnp.asarray(np.repeat(np.arange(3), 70)[None, :length], jnp.int32)
+    mask_tm = TileMod.make(masks.and_masks(masks.causal, masks.document(seg)), "mask")
+    score_tm = TileMod.make(score_mods.alibi(jnp.linspace(0.1, 0.5, hq)), "score")
+    nm, ns = mask_tm.num_captured, score_tm.num_captured
+    bmask = create_block_mask(mask_tm.fn, None, None, length, length, block_q=128, block_kv=64)
+    sd = lambda shape, dt=dtype: jax.ShapeDtypeStruct(shape, jnp.dtype(dt))
+
+    def f(q, k, v, out, lse, dout, caps):
+        return fab.flash_attention_bwd(
+            q, k, v, out, lse, dout, block_mask=bmask, score_mod=lambda *a: score_tm(a[:ns], *a[ns:]),
+            mask_mod=lambda *a: mask_tm(a[:nm], *a[nm:]), captured=caps, scale=0.1,
+            config=fab.default_bwd_config(d, d, dtype, "NVIDIA H200"))
+
+    caps = {"score": tuple(score_tm.captured), "mask": tuple(mask_tm.captured)}
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = jax.jit(f).trace(sd((bsz, hq, length, d)), sd((bsz, hkv, length, d)), sd((bsz, hkv, length, d)),
+                                sd((bsz, hq, length, d)), sd((bsz, hq, length), "float32"),
+                                sd((bsz, hq, length, d)), caps).lower(lowering_platforms=("cuda",)).as_text()
+    for name in ("flex_bwd_delta", "flex_bwd_dkdv", "flex_bwd_dq"):
+        assert name in text
