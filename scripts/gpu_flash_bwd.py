@@ -217,6 +217,7 @@ def main():
     p.add_argument("--out", default=None)
     p.add_argument("--budget", type=float, default=240.0)
     p.add_argument("--skip-check", action="store_true")
+    p.add_argument("--sweep", type=int, default=len(SWEEP), help="configs of the sweep to time")
     p.add_argument("--skip-time", action="store_true")
     p.add_argument("--smoke", action="store_true", help="CPU: interpret=True, tiny shapes, no timing")
     args = p.parse_args()
@@ -227,8 +228,9 @@ def main():
     if args.smoke and not args.skip_time:
         results["B2 T4096 causal"] = time_shape("B2 T4096 causal", 1, 256, True, args, SWEEP[:1])
     if not args.skip_time and not args.smoke:
-        shapes = [("B2 T4096 causal", 2, 4096, True, SWEEP), ("B2 T4096 full", 2, 4096, False, SWEEP[:4]),
-                  ("B1 T16384 causal", 1, 16384, True, SWEEP[:3])]
+        shapes = [("B2 T4096 causal", 2, 4096, True, SWEEP[:args.sweep]),
+                  ("B2 T4096 full", 2, 4096, False, SWEEP[:max(1, args.sweep // 3)]),
+                  ("B1 T16384 causal", 1, 16384, True, SWEEP[:max(1, args.sweep // 4)])]
         for label, B, L, causal, sweep in shapes:
             if time.perf_counter() - T0 > args.budget:
                 log("budget reached: skipping", label)
