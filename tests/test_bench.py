@@ -269,3 +269,18 @@ def test_quick_main_job(tmp_path):
     assert "Error against the float64 reference" in proc.stdout
     data = json.loads(path.read_text())
     assert {r["suite"] for r in data["results"]} == {"linear", "gqa", "decode"}
+
+
+def test_quick_verdicts():
+    """--quick fails the job on a wrong flashlax result or crash, not on unavailable kernels or peers."""
+    from flashlax.bench import quick
+
+    base = {"suite": "gqa", "mode": "fwd", "dtype": "float32"}
+    assert quick._verdict({**base, "impl": "flex_xla", "rel_err": 1e-7}) == "ok"
+    assert quick._verdict({**base, "impl": "flex_xla", "rel_err": 1e-3}) == "FAIL"
+    assert quick._verdict({**base, "impl": "flex_xla", "rel_err": "inf"}) == "FAIL"
+    assert quick._verdict({**base, "impl": "jax_xla", "rel_err": 1e-3}) == "peer above tolerance"
+    assert quick._verdict({**base, "impl": "ssd", "error": "RuntimeError: ssd requires an accelerator backend."}) \
+        == "unavailable"
+    assert quick._verdict({**base, "impl": "flex_xla", "error": "TypeError: bad"}) == "FAIL"
+    assert quick._verdict({**base, "impl": "torch_sdpa", "error": "TypeError: bad"}) == "peer error"
