@@ -284,3 +284,18 @@ def test_quick_verdicts():
         == "unavailable"
     assert quick._verdict({**base, "impl": "flex_xla", "error": "TypeError: bad"}) == "FAIL"
     assert quick._verdict({**base, "impl": "torch_sdpa", "error": "TypeError: bad"}) == "peer error"
+
+
+def test_input_rotation_exceeds_l2_on_gpu():
+    """On GPU the timed loop rotates through copies whose total is > 2x L2 (at most 4); one set on CPU."""
+    made = []
+
+    def make(seed):
+        made.append(seed)
+        return (seed,)
+
+    assert len(harness.input_copies(make, 16 * 2**20, gpu=False)) == 1
+    sets = harness.input_copies(make, 16 * 2**20, gpu=True)
+    assert len(sets) == 4 and [s[0] for s in sets] == [0, 1, 2, 3]  # fresh inputs per copy
+    assert len(harness.input_copies(make, 50 * 2**20, gpu=True)) * 50 * 2**20 > 2 * harness.L2_BYTES
+    assert len(harness.input_copies(make, 500 * 2**20, gpu=True)) == 1
