@@ -214,6 +214,15 @@ def test_tile_mod_point_reads_match_mod_on_arrays():
     np.testing.assert_array_equal(got, want)
 
 
+def test_tile_reads_counts_tile_shaped_gathers():
+    """Only reads indexed by both q_idx and kv_idx are [BQ, BKV] gathers (they cost shared memory)."""
+    make = _tiles.TileMod.make
+    assert make(score_mods.relative_bias(jnp.ones((2, 31))), "score").tile_reads == 1
+    assert make(score_mods.alibi(jnp.ones((2,))), "score").tile_reads == 0
+    assert make(masks.document(_segments(1, 20, 2)), "mask").tile_reads == 0
+    assert make(masks.causal, "mask").tile_reads == 0
+
+
 def test_unsupported_captured_slice_falls_back_to_xla():
     """A mod that reduces a captured array (not a point read) runs on the XLA path, with equal results."""
     table = jax.random.normal(jax.random.PRNGKey(11), (2, 40))

@@ -76,3 +76,19 @@ def test_invalid_config_values(bad):
 def test_flash_config_rejects_head_dim_over_256():
     with pytest.raises(ValueError, match="256"):
         flash_config(320, 320, jnp.bfloat16, KINDS["h200"])
+
+
+def test_tile_gathers_count_and_shrink():
+    """A relative-bias score_mod gathers a [block_q, block_kv] tile: at 128x128, 3 stages, D=128 bf16 the
+    estimate is the 360448 bytes Triton asked for on the H200, so the automatic config steps down."""
+    cfg = FWD_CONFIGS["h200"][(128, "16")]
+    assert (cfg.block_q, cfg.block_kv, cfg.num_stages) == (128, 128, 3)
+    assert smem_bytes(cfg, 128, 128, jnp.bfloat16, p_in_smem=False, tile_reads=1) == 360448
+    with pytest.raises(ValueError, match="captured"):
+        check_config(cfg, 128, 128, jnp.bfloat16, KINDS["h200"], tile_reads=1)
+    for family, kind in KINDS.items():
+        for d in (64, 128, 256):
+            for dtype in (jnp.bfloat16, jnp.float32):
+                small = configs.shrink_to_fit(flash_config(d, d, dtype, kind), d, d, dtype, kind, tile_reads=2)
+                check_config(small, d, d, dtype, kind, tile_reads=2)
+    assert configs.shrink_to_fit(cfg, 128, 128, jnp.bfloat16, KINDS["h200"], tile_reads=1).block_kv == 64

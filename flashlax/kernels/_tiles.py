@@ -235,6 +235,18 @@ class TileMod:
     def num_captured(self) -> int:
         return len(self.captured)
 
+    @property
+    def tile_reads(self) -> int:
+        """How many captured-array reads index by both q_idx and kv_idx (a [BQ, BKV] pointer gather, as
+        in a relative-bias table). Triton stages each such tile through shared memory for its layout
+        change, which the configs' shared-memory estimate must count; reads by q_idx or kv_idx alone
+        (segment ids) or by b/h (slopes) are vectors or scalars and cost nothing there."""
+        q_pos, kv_pos = (3, 4) if self.kind == "score" else (2, 3)
+        taint = {v: frozenset() for v in self.jaxpr.invars}
+        taint[self.jaxpr.invars[q_pos]] = frozenset("q")
+        taint[self.jaxpr.invars[kv_pos]] = frozenset("k")
+        return _count_tile_reads(self.jaxpr, taint, set(self.jaxpr.constvars))
+
     def __call__(self, captured: Sequence[Any], *args):
         if len(captured) != len(self.captured):
             raise ValueError(f"TileMod: expected {len(self.captured)} captured arrays, got {len(captured)}")
@@ -248,6 +260,31 @@ class TileMod:
         shape = jnp.broadcast_shapes(*[jnp.shape(a) for a in args])
         out = jnp.broadcast_to(out, shape)
         return out.astype(jnp.float32) if self.kind == "score" else out.astype(jnp.bool_)
+
+
+def _count_tile_reads(jaxpr, taint: dict, captured: set) -> int:
+    """Counts gathers / dynamic slices of captured arrays whose indices depend on both q and kv."""
+    def get(v):
+        return frozenset() if isinstance(v, Literal) else taint.get(v, frozenset())
+
+    count = 0
+    for eqn in jaxpr.eqns:
+        ins = [get(v) for v in eqn.invars]
+        union = frozenset().union(*ins) if ins else frozenset()
+        name = eqn.primitive.name
+        if name in ("gather", "dynamic_slice") and not isinstance(eqn.invars[0], Literal) \
+                and eqn.invars[0] in captured and frozenset(union) >= {"q", "k"}:
+            count += 1
+        inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+        if inner is not None and hasattr(inner, "eqns" if not hasattr(inner, "jaxpr") else "jaxpr"):
+            inner_jaxpr = inner.jaxpr if hasattr(inner, "jaxpr") else inner
+            inner_taint = dict(zip(inner_jaxpr.invars, ins))
+            inner_captured = set(inner_jaxpr.constvars) | {iv for iv, v in zip(inner_jaxpr.invars, eqn.invars)
+                                                           if not isinstance(v, Literal) and v in captured}
+            count += _count_tile_reads(inner_jaxpr, inner_taint, inner_captured)
+        for v in eqn.outvars:
+            taint[v] = union
+    return count
 
 
 def _scalar_args(kind: str):

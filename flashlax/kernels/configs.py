@@ -54,20 +54,26 @@ class FlashConfig:
             raise ValueError(f"FlashConfig: num_stages must be a positive int, got {self.num_stages!r}")
 
 
-def smem_bytes(config: FlashConfig, head_dim: int, head_dim_v: int, dtype, p_in_smem: bool = True) -> int:
+def smem_bytes(config: FlashConfig, head_dim: int, head_dim_v: int, dtype, p_in_smem: bool = True,
+               tile_reads: int = 0) -> int:
     """Static estimate of the forward kernel's shared memory, bytes.
 
     Triton stages the q tile once and the streamed K and V tiles once per pipeline stage; before sm_90
     the P tile that feeds the second matmul (P @ V) is counted as round-tripped through shared memory
     for its layout change (``p_in_smem``); Hopper's wgmma reads that operand from registers.
-    Head dims are padded to powers of two, as in the kernel.
+    Each mod read of a captured array indexed by both q_idx and kv_idx (``tile_reads``, e.g. a
+    relative-bias table) is a [block_q, block_kv] pointer gather whose float32 result Triton stages
+    through shared memory twice for layout changes. Head dims are padded to powers of two.
+    On the H200 this formula gave exactly the 360448 bytes Triton asked for with a relative-bias
+    score_mod at 128x128 tiles, 3 stages, D=128, bf16.
     """
     item = jnp.dtype(dtype).itemsize
     d, dv = _pow2(head_dim), _pow2(head_dim_v)
     q_tile = config.block_q * d * item
     kv_tiles = config.num_stages * config.block_kv * (d + dv) * item
     p_tile = config.block_q * config.block_kv * item if p_in_smem else 0
-    return q_tile + kv_tiles + p_tile
+    gathers = tile_reads * 2 * config.block_q * config.block_kv * 4
+    return q_tile + kv_tiles + p_tile + gathers
 
 
 def device_family(device_kind: str | None = None) -> str:
@@ -131,12 +137,40 @@ def flash_config(head_dim: int, head_dim_v: int | None = None, dtype=jnp.bfloat1
 
 
 def check_config(config: FlashConfig, head_dim: int, head_dim_v: int, dtype,
-                 device_kind: str | None = None, limit: int | None = None) -> None:
+                 device_kind: str | None = None, limit: int | None = None, tile_reads: int = 0) -> None:
     """ValueError when ``config`` needs more shared memory than one block may use on the device."""
     limit = smem_limit(device_kind) if limit is None else limit
-    need = smem_bytes(config, head_dim, head_dim_v, dtype, p_in_smem=device_family(device_kind) != "h200")
+    need = smem_bytes(config, head_dim, head_dim_v, dtype, p_in_smem=device_family(device_kind) != "h200",
+                      tile_reads=tile_reads)
     if need > limit:
         raise ValueError(
             f"flash attention config {config} needs about {need} bytes of shared memory for head dims "
             f"({head_dim}, {head_dim_v}) and dtype {jnp.dtype(dtype).name}, over the device limit of "
-            f"{limit} bytes ({device_kind or device_family()}); use smaller block_q/block_kv/num_stages")
+            f"{limit} bytes ({device_kind or device_family()}"
+            + (f", with {tile_reads} [block_q, block_kv] reads of captured arrays" if tile_reads else "")
+            + "); use smaller block_q/block_kv/num_stages")
+
+
+def shrink_to_fit(config: FlashConfig, head_dim: int, head_dim_v: int, dtype, device_kind: str | None = None,
+                  tile_reads: int = 0) -> FlashConfig:
+    """The largest step-down of ``config`` that fits the device (halve block_kv to 32, drop pipeline
+    stages to 2, halve block_q to 32, then the same down to 16 / 1 stage / 16); used for the automatic config, e.g. when a score
+    mod's tile gathers need shared memory. ValueError if even the smallest does not fit."""
+    cfg = config
+    while True:
+        try:
+            check_config(cfg, head_dim, head_dim_v, dtype, device_kind, tile_reads=tile_reads)
+            return cfg
+        except ValueError:
+            for floor in (32, 16):
+                if cfg.block_kv > floor:
+                    cfg = dataclasses.replace(cfg, block_kv=cfg.block_kv // 2)
+                elif cfg.num_stages > floor // 16:
+                    cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
+                elif cfg.block_q > floor:
+                    cfg = dataclasses.replace(cfg, block_q=cfg.block_q // 2)
+                else:
+                    continue
+                break
+            else:
+                raise

@@ -32,7 +32,7 @@ from jax.experimental.pallas import triton as plgpu
 from flashlax import masks as masks_lib
 from flashlax.kernels import _tiles
 from flashlax.kernels._tiles import LOG2E, TileMod, pow2
-from flashlax.kernels.configs import FlashConfig, check_config, flash_config
+from flashlax.kernels.configs import FlashConfig, check_config, flash_config, shrink_to_fit
 
 _SUPPORTED_TILES = (16, 32, 64, 128, 256)
 
@@ -363,21 +363,34 @@ def flex_attention_pallas(q, k, v, *, score_mod=None, mask_mod=None, block_mask=
     scale = float(d ** -0.5 if scale is None else scale)
     if mask_mod is None and block_mask is not None:
         mask_mod = block_mask.mask_mod
+    try:
+        # Mods are traced once, for scalars; their captured arrays become kernel inputs.
+        score_tm = TileMod.make(score_mod, "score")
+        mask_tm = TileMod.make(mask_mod, "mask")
+    except _tiles.UnsupportedModError:
+        # A mod reads its captured arrays in a way the kernel cannot (a slice or reduction, not a point
+        # read): run the blockwise XLA path instead (same results, memory linear in length).
+        from flashlax.fallbacks.attention import flex_attention_xla
+        return flex_attention_xla(q, k, v, score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask,
+                                  scale=scale, return_lse=return_lse)
+    tile_reads = sum(tm.tile_reads for tm in (score_tm, mask_tm) if tm is not None)
     kind = device_kind
     if kind is None:
         kind = jax.devices()[0].device_kind if not interpret else "cpu-interpret"
-    cfg = config if config is not None else flash_config(d, dv, q.dtype, kind)
-    check_config(cfg, d, dv, q.dtype, kind)
     if config is None:
+        cfg = shrink_to_fit(flash_config(d, dv, q.dtype, kind), d, dv, q.dtype, kind, tile_reads)
         # Do not launch tiles far longer than the sequence (tiny inputs).
         groups = hq // k.shape[1]
         rows = max(16, pow2(lq) * (groups if cfg.pack_gqa else 1))
         cfg = dataclasses.replace(cfg, block_q=min(cfg.block_q, rows),
                                   block_kv=min(cfg.block_kv, max(16, pow2(lkv))))
+    else:
+        cfg = config
+        check_config(cfg, d, dv, q.dtype, kind, tile_reads=tile_reads)
 
     def fits(c):
         try:
-            check_config(c, d, dv, q.dtype, kind)
+            check_config(c, d, dv, q.dtype, kind, tile_reads=tile_reads)
             return True
         except ValueError:
             return False
@@ -397,15 +410,8 @@ def flex_attention_pallas(q, k, v, *, score_mod=None, mask_mod=None, block_mask=
     pack = groups if (cfg.pack_gqa and groups > 1 and groups & (groups - 1) == 0
                       and cfg.block_q // groups >= 16 and not head_dep) else 1
     bm, cfg = _resolve_block_mask(block_mask, mask_mod, cfg, pack, bsz, hq, lq, lkv, fits)
-    try:
-        score_tm = TileMod.make(score_mod, "score")
-        mask_tm = TileMod.make(mask_mod, "mask") if bm is not None and mask_mod is not None else None
-    except _tiles.UnsupportedModError:
-        # A mod reads its captured arrays in a way the kernel cannot (a slice, not a point read):
-        # run the blockwise XLA path instead (same results, memory linear in length).
-        from flashlax.fallbacks.attention import flex_attention_xla
-        return flex_attention_xla(q, k, v, score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask,
-                                  scale=scale, return_lse=return_lse)
+    if bm is None:
+        mask_tm = None          # no block mask means no mask: every tile is full
     captured = tuple(jnp.asarray(c) for c in (score_tm.captured if score_tm else ())) + \
         tuple(jnp.asarray(c) for c in (mask_tm.captured if mask_tm else ()))
     st = _Static(config=cfg, scale=scale, score_mod=score_tm, mask_mod=mask_tm,
