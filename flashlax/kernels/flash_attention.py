@@ -5,7 +5,9 @@ One program per (query head h, query tile, batch b) owns ``block_q`` query rows 
 over the KV tiles its block-mask row lists: first the full tiles (no mask_mod), then the partial ones
 (mask_mod evaluated on the tile); empty tiles are never visited. The tile lists are int32 refs read inside
 the kernel, so the trip counts are data dependent and K/V are sliced with
-``pl.ds(pl.multiple_of(idx * block_kv, block_kv), block_kv)``.
+``pl.ds(pl.multiple_of(idx * block_kv, block_kv), block_kv)``. The leading run of consecutive full tiles
+(all of them for causal, sliding-window and document masks) is stepped by address arithmetic instead of
+index loads, so Triton pipelines it like a dense loop (index loads cost 25% on the H200).
 
 GQA is native: query head h reads KV head h // G through the BlockSpec index map, so K/V are never
 repeated in memory. Heads are the fastest grid axis, so the G programs that share a KV head run side by
@@ -57,8 +59,7 @@ class _Static:
 # Kernel
 # ----------------------------------------------------------------------------------------------------
 
-def _fwd_kernel(*refs, st: _Static, n_cap: int, bm_dep: bool, hm_dep: bool, lq: int, lkv: int, d: int,
-                dv: int, nq: int, nkv: int):
+def _fwd_kernel(*refs, st: _Static, n_cap: int, lq: int, lkv: int, d: int, dv: int, nq: int, nkv: int):
     cfg = st.config
     bq, bkv = cfg.block_q, cfg.block_kv
     q_ref, k_ref, v_ref = refs[:3]
@@ -178,7 +179,6 @@ def _forward_call(st: _Static, q, k, v, bm: masks_lib.BlockMask | None, captured
         pl.BlockSpec((None, None, lkv, dvp), lambda h, i, b: (b, kv_head(h), 0, 0)),
     ]
     args = [q, k, v]
-    bm_dep = hm_dep = False
     if st.has_block_mask:
         bm_dep, hm_dep = bm.kv_num_blocks.shape[0] > 1, bm.kv_num_blocks.shape[1] > 1
         sel_b = (lambda b: b) if bm_dep else (lambda b: 0)
@@ -191,8 +191,7 @@ def _forward_call(st: _Static, q, k, v, bm: masks_lib.BlockMask | None, captured
     in_specs += _tiles.captured_specs(captured)
     args += list(captured)
 
-    kernel = functools.partial(_fwd_kernel, st=st, n_cap=len(captured), bm_dep=bm_dep, hm_dep=hm_dep,
-                               lq=lq, lkv=lkv, d=d, dv=dv, nq=nq, nkv=nkv)
+    kernel = functools.partial(_fwd_kernel, st=st, n_cap=len(captured), lq=lq, lkv=lkv, d=d, dv=dv, nq=nq, nkv=nkv)
     out, lse = pl.pallas_call(
         kernel,
         grid=(hq // gp, nq, bsz),
