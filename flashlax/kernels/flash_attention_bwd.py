@@ -16,6 +16,11 @@ over the whole [Lq, Lkv] plane into a small array (a scatter-add for a table): t
 second pass in a kernel, so it is computed by an XLA pass over query tiles (memory O(block_q * Lkv) per
 step) that recomputes dS and pulls it back through the mod with ``jax.vjp``. It runs only when the
 score_mod captures floating-point arrays.
+
+What runs where: every elementwise score_mod and every mask_mod runs in the kernels, including mods that
+read captured arrays by point reads (``_tiles.TileMod``: slopes[h], table[h, offset], seg[b, q_idx]).
+Mods that use a captured array otherwise are routed by the forward (``flex_attention_pallas``) to the
+XLA path, forward and backward; so is ``return_lse=True`` under differentiation (lse cotangents).
 """
 
 from __future__ import annotations
@@ -184,8 +189,10 @@ def _ds_tile(q, k, v, do, lse, delta, *, b, h, q_start, kv_start, lq, lkv, scale
     without forming inf - inf.
     """
     bq, bkv = q.shape[0], k.shape[0]
-    q_idx = q_start + lax.broadcasted_iota(jnp.int32, (bq, bkv), 0)
-    kv_idx = kv_start + lax.broadcasted_iota(jnp.int32, (bq, bkv), 1)
+    # [bq, 1] and [1, bkv] (the TileMod convention): a mod reading only q_idx (q_seg[b, q_idx]) loads bq
+    # values, not bq * bkv.
+    q_idx = q_start + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
+    kv_idx = kv_start + lax.broadcasted_iota(jnp.int32, (1, bkv), 1)
     valid = None                                 # None: every element of the tile counts
     if not q_exact:
         valid = q_idx < lq
@@ -193,6 +200,8 @@ def _ds_tile(q, k, v, do, lse, delta, *, b, h, q_start, kv_start, lq, lkv, scale
         valid = _and(valid, kv_idx < lkv)
     if partial and mask_mod is not None:
         valid = _and(valid, _call_mod(mask_mod, captured, b, h, q_idx, kv_idx))
+    if valid is not None:
+        valid = jnp.broadcast_to(valid, (bq, bkv))
     lse_safe = jnp.where(lse == -jnp.inf, jnp.inf, lse)[:, None]
     prec = dot_precision(q.dtype)
     qk = dot_nt(q, k, prec)
@@ -218,7 +227,8 @@ def _and(a, b):
 
 
 def _call_mod(mask_mod, captured, b, h, q_idx, kv_idx):
-    return jnp.broadcast_to(mask_mod(*captured["mask"], b, h, q_idx, kv_idx), q_idx.shape)
+    return jnp.broadcast_to(mask_mod(*captured["mask"], b, h, q_idx, kv_idx),
+                            (q_idx.shape[0], kv_idx.shape[1]))
 
 
 def _call_score_mod(score_mod, captured, s, b, h, q_idx, kv_idx):
