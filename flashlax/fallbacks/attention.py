@@ -31,10 +31,11 @@ from flashlax import masks as masks_lib
 F32 = jnp.float32
 NEG_INF = -jnp.inf
 
-# CPU-friendly tile sizes: G * block_q query rows against block_kv keys keep each matmul large.
-DEFAULT_BLOCK_Q = 256
+# CPU-friendly tile sizes (measured on a 2-core AVX-512 Xeon, docs/PERF_NOTES.md): G * block_q ~ 512
+# query rows against 512 keys keep each matmul large; with a mask, 128-key tiles skip more of it.
+DEFAULT_ROWS = 512  # target G * block_q
 DEFAULT_BLOCK_KV = 512
-DEFAULT_ROWS = 1024  # target G * block_q
+DEFAULT_BLOCK_KV_MASKED = 128
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -201,6 +202,8 @@ def _tile_shape(spec: _Spec) -> tuple[int, ...]:
 
 def _raw_scores(spec: _Spec, q_t, k_t):
     """scale * q.k for one tile: [B, Hkv, G*bq, D] x [B, Hkv, bk, D] -> [B, Hkv, G*bq, bk] float32."""
+    if q_t.dtype == F32:  # fold the scale into the [G*bq, D] query tile instead of the [G*bq, bk] scores
+        return jnp.einsum("bhmd,bhkd->bhmk", q_t * spec.scale, k_t, precision=spec.precision)
     s = jnp.einsum("bhmd,bhkd->bhmk", q_t, k_t, precision=spec.precision, preferred_element_type=F32)
     return s * spec.scale
 
@@ -413,8 +416,9 @@ def flex_attention_xla(q, k, v, *, score_mod=None, mask_mod=None, block_mask=Non
     bsz, hq, lq, d = q.shape
     hkv, lkv, dv = k.shape[1], k.shape[2], v.shape[-1]
     groups = hq // hkv
+    masked = mask_mod is not None or block_mask is not None
     block_q = tile_size(lq, block_q or max(16, DEFAULT_ROWS // groups))
-    block_kv = tile_size(lkv, block_kv or DEFAULT_BLOCK_KV)
+    block_kv = tile_size(lkv, block_kv or (DEFAULT_BLOCK_KV_MASKED if masked else DEFAULT_BLOCK_KV))
     if mask_mod is None and block_mask is not None and block_mask.mask_mod is None:
         mask_mod = mask_mod_from_kinds(block_mask)
     if mask_mod is not None and block_mask is None:

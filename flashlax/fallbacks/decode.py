@@ -18,7 +18,7 @@ from jax import lax
 from flashlax import dispatch
 from flashlax.fallbacks.attention import F32, NEG_INF, precision_for
 
-DEFAULT_BLOCK_KV = 4096  # cache rows per step and split on CPU: large reads, few loop steps
+DEFAULT_BLOCK_KV = 1024  # cache rows per step and split (fastest of 512-16384 on the 2-core CPU, PERF_NOTES)
 
 
 def _cdiv(a: int, b: int) -> int:
