@@ -8,6 +8,7 @@ tests check the backward alone; the forward has its own tests.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -73,6 +74,7 @@ class Case:
     block_kv: int = 32
     dtype: str = "float32"
     seed: int = 0
+    config: Any = None         # BwdConfig; None: TINY
 
 
 def _segments(rng, bsz, length, n_docs):
@@ -95,6 +97,10 @@ def build(case: Case, rng):
         mask_builder = lambda: masks.sliding_window(7, 3)
     elif case.mask == "prefix_lm":
         mask_builder = lambda: masks.prefix_lm(5)
+    elif case.mask == "striped":
+        # keys in every other block of 16, causal: full-tile lists 0, 2, 4, ... are not consecutive, so
+        # both the address-arithmetic run and the index-list loop are exercised.
+        mask_builder = lambda: masks.and_masks(masks.causal, lambda b, h, q_idx, kv_idx: (kv_idx // 16) % 2 == 0)
     elif case.mask == "document":
         q_seg = _segments(rng, case.bsz, case.lq, 3)
         # kv ids: a shifted copy, so some query rows find no key of their document (fully masked rows).
@@ -170,7 +176,8 @@ def run_case(case: Case, *, config=TINY, interpret=True):
     return call, ref_grads, lse
 
 
-def check_case(case: Case, *, config=TINY, tol=None, interpret=True):
+def check_case(case: Case, *, config=None, tol=None, interpret=True):
+    config = config or case.config or TINY
     call, (gq, gk, gv, gcaps), lse = run_case(case, config=config, interpret=interpret)
     dq, dk, dv, dcaps = call()
     assert dq.shape == gq.shape and dq.dtype == jnp.dtype(case.dtype)
@@ -199,6 +206,8 @@ def check_case(case: Case, *, config=TINY, tol=None, interpret=True):
 CASES = [
     Case(),
     Case(mask="causal", hq=3, hkv=1, lq=33, lkv=70, d=64),                 # Lq != Lkv, G=3
+    Case(mask="striped", hq=2, hkv=1, lq=90, lkv=90, block_q=16, block_kv=16,
+         config=fab.BwdConfig(16, 16, 16, 16, block_delta=32)),
     Case(mask="sliding", hq=4, hkv=1, lq=70, lkv=50, d=96, dv=32),         # G=4, D=96, Dv != D
     Case(mask="document", bsz=2, hq=2, hkv=2, lq=48, lkv=48, seed=1),      # per-batch mask, dead rows
     Case(mask="prefix_lm", hq=2, hkv=1, lq=37, lkv=37, mod="softcap"),

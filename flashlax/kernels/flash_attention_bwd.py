@@ -248,14 +248,22 @@ def _delta_kernel(o_ref, do_ref, delta_ref, *, block: int, lq: int, dv: int):
     plgpu.store(delta_ref.at[pl.ds(start, block)], jnp.sum(o * do, axis=1), mask=row_ok)
 
 
-def _mask_loop(num_ref, idx_ref, bm, hm, mt, sub: int, body, carry):
+def _mask_loop(num_ref, idx_ref, bm, hm, mt, sub: int, body, carry, first_ref=None, run_ref=None):
     """Runs body(tile, carry) over the backward tiles inside the listed block-mask tiles of row/column mt.
 
     A block-mask tile holds ``sub`` backward tiles; tile indices come from the int32 index list, so the
-    trip count is data dependent (empty tiles are never visited).
+    trip count is data dependent (empty tiles are never visited). With first_ref/run_ref, the leading run
+    of consecutive listed tiles (all full tiles of causal, sliding-window and document masks) is stepped
+    by address arithmetic, which Triton software-pipelines like a dense loop (no index load per step);
+    the forward measured 9-14% from this on the H200.
     """
+    start = 0
+    if first_ref is not None:
+        first, run = first_ref[bm, hm, mt] * sub, run_ref[bm, hm, mt] * sub
+        carry = lax.fori_loop(0, run, lambda j, c: body(first + j, c), carry)
+        start = run
     if sub == 1:
-        return lax.fori_loop(0, num_ref[bm, hm, mt], lambda i, c: body(idx_ref[bm, hm, mt, i], c), carry)
+        return lax.fori_loop(start, num_ref[bm, hm, mt], lambda i, c: body(idx_ref[bm, hm, mt, i], c), carry)
     n = num_ref[bm, hm, mt] * sub
     sub_ = jnp.int32(sub)
 
@@ -263,7 +271,17 @@ def _mask_loop(num_ref, idx_ref, bm, hm, mt, sub: int, body, carry):
         tile = idx_ref[bm, hm, mt, lax.div(i, sub_)] * sub_ + lax.rem(i, sub_)
         return body(tile, c)
 
-    return lax.fori_loop(0, n, step, carry)
+    return lax.fori_loop(start, n, step, carry)
+
+
+def _leading_run(count, indices):
+    """(first [..., n], run [..., n]) int32: each list's first tile index and the length of the run of
+    consecutive indices first, first + 1, ... at its start (at most ``count``)."""
+    first = indices[..., 0]
+    j = jnp.arange(indices.shape[-1], dtype=jnp.int32)
+    consecutive = (indices == first[..., None] + j) & (j < count[..., None])
+    run = jnp.cumprod(consecutive.astype(jnp.int32), axis=-1).sum(-1, dtype=jnp.int32)
+    return first.astype(jnp.int32), run
 
 
 def _dkdv_kernel(*refs, n_cap, groups, bq, bkv, mask_bq, mask_bkv, lq, lkv, d, dv, scale,
@@ -272,9 +290,9 @@ def _dkdv_kernel(*refs, n_cap, groups, bq, bkv, mask_bq, mask_bkv, lq, lkv, d, d
     # Lq is a multiple of bq: loads need no mask only when Lq is a multiple of the mask tile.
     q_exact, kv_exact = lq % mask_bq == 0, lkv % bkv == 0
     (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-     qn_ref, qi_ref, fqn_ref, fqi_ref) = refs[:10]
-    cap_refs = refs[10:10 + n_cap]
-    dk_ref, dv_ref = refs[10 + n_cap:]
+     qn_ref, qi_ref, fqn_ref, fqi_ref, ffirst_ref, frun_ref) = refs[:12]
+    cap_refs = refs[12:12 + n_cap]
+    dk_ref, dv_ref = refs[12 + n_cap:]
     b, hkv, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     dp_, dvp = _pow2(d), _pow2(dv)
     kv_start = t * bkv
@@ -307,7 +325,7 @@ def _dkdv_kernel(*refs, n_cap, groups, bq, bkv, mask_bq, mask_bkv, lq, lkv, d, d
                 return dk_acc, dv_acc
             return body
 
-        carry = _mask_loop(fqn_ref, fqi_ref, bm, hm, mt, sub, tile_body(False), carry)
+        carry = _mask_loop(fqn_ref, fqi_ref, bm, hm, mt, sub, tile_body(False), carry, ffirst_ref, frun_ref)
         carry = _mask_loop(qn_ref, qi_ref, bm, hm, mt, sub, tile_body(True), carry)
         return carry
 
@@ -321,9 +339,9 @@ def _dq_kernel(*refs, n_cap, groups, bq, bkv, mask_bq, mask_bkv, lq, lkv, d, dv,
                bm_dep, hm_dep, score_mod, mask_mod, cap_split, interpret):
     q_exact, kv_exact = lq % bq == 0, lkv % mask_bkv == 0      # as in _dkdv_kernel, with q and kv swapped
     (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-     kn_ref, ki_ref, fkn_ref, fki_ref) = refs[:10]
-    cap_refs = refs[10:10 + n_cap]
-    (dq_ref,) = refs[10 + n_cap:]
+     kn_ref, ki_ref, fkn_ref, fki_ref, ffirst_ref, frun_ref) = refs[:12]
+    cap_refs = refs[12:12 + n_cap]
+    (dq_ref,) = refs[12 + n_cap:]
     b, h, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     dp_, dvp = _pow2(d), _pow2(dv)
     q_start = t * bq
@@ -350,7 +368,7 @@ def _dq_kernel(*refs, n_cap, groups, bq, bkv, mask_bq, mask_bkv, lq, lkv, d, dv,
         return body
 
     dq_acc = jnp.zeros((bq, dp_), jnp.float32)
-    dq_acc = _mask_loop(fkn_ref, fki_ref, bm, hm, mt, sub, tile_body(False), dq_acc)
+    dq_acc = _mask_loop(fkn_ref, fki_ref, bm, hm, mt, sub, tile_body(False), dq_acc, ffirst_ref, frun_ref)
     dq_acc = _mask_loop(kn_ref, ki_ref, bm, hm, mt, sub, tile_body(True), dq_acc)
     _store_rows(dq_ref, q_start, dq_acc, lq, d, q_exact)
 
@@ -435,13 +453,14 @@ def flash_attention_bwd(q, k, v, out, lse, dout, *, block_mask: BlockMask | None
                   pl.BlockSpec((None, groups, lq), lambda b, j, t: (b, j, 0)),
                   pl.BlockSpec((None, groups, lq), lambda b, j, t: (b, j, 0)),
                   _full_spec(bmk.q_num_blocks), _full_spec(bmk.q_indices),
-                  _full_spec(bmk.full_q_num_blocks), _full_spec(bmk.full_q_indices), *cap_specs],
+                  _full_spec(bmk.full_q_num_blocks), _full_spec(bmk.full_q_indices),
+                  _full_spec(bmk.full_q_num_blocks), _full_spec(bmk.full_q_num_blocks), *cap_specs],
         out_specs=[kv_spec(d), kv_spec(dv)],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         compiler_params=plgpu.CompilerParams(num_warps=bwd.num_warps_dkv, num_stages=bwd.num_stages_dkv),
         interpret=interpret, name="flex_bwd_dkdv",
     )(q, k, v, dout, lse, delta, bmk.q_num_blocks, bmk.q_indices, bmk.full_q_num_blocks,
-      bmk.full_q_indices, *cap_values)
+      bmk.full_q_indices, *_leading_run(bmk.full_q_num_blocks, bmk.full_q_indices), *cap_values)
 
     # 3. dQ: one program per (b, q head, q tile), reading KV head h // G.
     bq, bkv = _sub_tile(bwd.block_q_dq, mask_bq), _sub_tile(bwd.block_kv_dq, mask_bkv)
@@ -453,13 +472,14 @@ def flash_attention_bwd(q, k, v, out, lse, dout, *, block_mask: BlockMask | None
         grid=(bsz, hq, pl.cdiv(lq, bq)),
         in_specs=[q_spec(d), kvh_spec(d), kvh_spec(dv), q_spec(dv), row_spec, row_spec,
                   _full_spec(bmk.kv_num_blocks), _full_spec(bmk.kv_indices),
-                  _full_spec(bmk.full_kv_num_blocks), _full_spec(bmk.full_kv_indices), *cap_specs],
+                  _full_spec(bmk.full_kv_num_blocks), _full_spec(bmk.full_kv_indices),
+                  _full_spec(bmk.full_kv_num_blocks), _full_spec(bmk.full_kv_num_blocks), *cap_specs],
         out_specs=q_spec(d),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=bwd.num_warps_dq, num_stages=bwd.num_stages_dq),
         interpret=interpret, name="flex_bwd_dq",
     )(q, k, v, dout, lse, delta, bmk.kv_num_blocks, bmk.kv_indices, bmk.full_kv_num_blocks,
-      bmk.full_kv_indices, *cap_values)
+      bmk.full_kv_indices, *_leading_run(bmk.full_kv_num_blocks, bmk.full_kv_indices), *cap_values)
 
     dcap = _dcaptured_xla(q, k, v, dout, lse, delta, block_mask=block_mask, score_mod=score_mod,
                           mask_mod=mask_mod, cap=cap, scale=scale)
