@@ -97,6 +97,10 @@ def build(case: Case, rng):
         mask_builder = lambda: masks.sliding_window(7, 3)
     elif case.mask == "prefix_lm":
         mask_builder = lambda: masks.prefix_lm(5)
+    elif case.mask == "headwise":
+        # odd query heads see everything, even heads are causal: a block mask per head (Hm = Hq), so
+        # the dK/dV program reads a different tile list for each head of its group.
+        mask_builder = lambda: (lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) | (h % 2 == 1))
     elif case.mask == "striped":
         # keys in every other block of 16, causal: full-tile lists 0, 2, 4, ... are not consecutive, so
         # both the address-arithmetic run and the index-list loop are exercised.
@@ -165,7 +169,8 @@ def run_case(case: Case, *, config=TINY, interpret=True):
         out, lse = np.asarray(out), np.asarray(lse)
     mask_caps32 = tuple(jnp.asarray(c) for c in mask_caps)
     plain_mask = None if mask_builder is None else mask_builder(*mask_caps32)
-    block_mask = create_block_mask(plain_mask, case.bsz if case.mask == "document" else None, None,
+    block_mask = create_block_mask(plain_mask, case.bsz if case.mask == "document" else None,
+                                   case.hq if case.mask == "headwise" else None,
                                    case.lq, case.lkv, block_q=case.block_q, block_kv=case.block_kv)
     args = [jnp.asarray(x, dtype) for x in (q, k, v, out)]
     call = lambda: fab.flash_attention_bwd(
@@ -210,6 +215,7 @@ CASES = [
          config=fab.BwdConfig(16, 16, 16, 16, block_delta=32)),
     Case(mask="sliding", hq=4, hkv=1, lq=70, lkv=50, d=96, dv=32),         # G=4, D=96, Dv != D
     Case(mask="document", bsz=2, hq=2, hkv=2, lq=48, lkv=48, seed=1),      # per-batch mask, dead rows
+    Case(mask="headwise", hq=4, hkv=2, lq=40, lkv=40),                     # per-head mask inside a group
     Case(mask="prefix_lm", hq=2, hkv=1, lq=37, lkv=37, mod="softcap"),
     Case(mask="causal", hq=4, hkv=2, lq=40, lkv=40, mod="alibi"),
     Case(mask=None, hq=2, hkv=1, lq=29, lkv=35, mod="relative_bias"),
