@@ -309,6 +309,13 @@ def test_shipped_configs_fit_shared_memory(family):
         assert cfg.smem_bytes(128, 128, 2) <= 101376
 
 
+def test_config_validation():
+    with pytest.raises(ValueError, match="block_q_dkv"):
+        fab.BwdConfig(block_q_dkv=48)
+    with pytest.raises(ValueError, match="num_warps_dq"):
+        fab.BwdConfig(num_warps_dq=3)
+
+
 def test_smem_check_rejects_oversized_config():
     big = fab.BwdConfig(block_q_dkv=256, block_kv_dkv=256, block_q_dq=256, block_kv_dq=256,
                         num_stages_dkv=4, num_stages_dq=4)

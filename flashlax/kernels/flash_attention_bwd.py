@@ -27,8 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -37,9 +36,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from flashlax import masks as masks_lib
-from flashlax.kernels._tiles import LOG2E, dot_nn, dot_nt, dot_precision, dot_tn, exp2
+from flashlax.kernels._tiles import LOG2E, dot_nn, dot_nt, dot_precision, dot_tn, exp2, pow2
 from flashlax.kernels.configs import SMEM_LIMITS, device_family
 from flashlax.masks import BlockMask
+
 
 @dataclasses.dataclass(frozen=True)
 class BwdConfig:
@@ -51,15 +51,27 @@ class BwdConfig:
     always lies inside one block-mask tile and inherits its kind (empty / partial / full).
     """
 
-    block_q_dkv: int = 32
-    block_kv_dkv: int = 128
-    block_q_dq: int = 128
-    block_kv_dq: int = 32
+    block_q_dkv: int = 64
+    block_kv_dkv: int = 64
+    block_q_dq: int = 64
+    block_kv_dq: int = 64
     num_warps_dkv: int = 4
     num_warps_dq: int = 4
     num_stages_dkv: int = 2
     num_stages_dq: int = 2
     block_delta: int = 64
+
+    def __post_init__(self):
+        for name in ("block_q_dkv", "block_kv_dkv", "block_q_dq", "block_kv_dq", "block_delta"):
+            val = getattr(self, name)
+            if not isinstance(val, int) or val < 16 or val & (val - 1):
+                raise ValueError(f"BwdConfig: {name} must be a power of two >= 16, got {val!r}")
+        for name in ("num_warps_dkv", "num_warps_dq"):
+            if getattr(self, name) not in (1, 2, 4, 8, 16):
+                raise ValueError(f"BwdConfig: {name} must be 1, 2, 4, 8 or 16, got {getattr(self, name)!r}")
+        for name in ("num_stages_dkv", "num_stages_dq"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"BwdConfig: {name} must be a positive int, got {getattr(self, name)!r}")
 
     def smem_bytes(self, head_dim: int, head_dim_v: int, itemsize: int) -> int:
         """Static estimate of the shared memory each backward kernel needs; returns the larger.
@@ -69,7 +81,7 @@ class BwdConfig:
         matmuls once (k, v or q, dout), and round-trips the two [block_q, block_kv] operands that feed
         a second matmul (P^T and dS^T, or dS) through shared memory for the layout change.
         """
-        d, dv = _pow2(head_dim), _pow2(head_dim_v)
+        d, dv = pow2(head_dim), pow2(head_dim_v)
         dkv = (self.num_stages_dkv * self.block_q_dkv * (d + dv) * itemsize
                + self.block_kv_dkv * (d + dv) * itemsize
                + 2 * self.block_q_dkv * self.block_kv_dkv * itemsize
@@ -115,14 +127,10 @@ BWD_CONFIGS: dict[str, dict[tuple[int, str], BwdConfig]] = {
 BWD_CONFIGS["default"] = BWD_CONFIGS["rtx3090"]
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def default_bwd_config(head_dim: int, head_dim_v: int | None = None, dtype=jnp.bfloat16,
                        device_kind: str | None = None) -> BwdConfig:
     """The backward config for this device kind (see ``configs.device_family``), head dims and dtype."""
-    d = max(_pow2(head_dim), _pow2(head_dim if head_dim_v is None else head_dim_v))
+    d = max(pow2(head_dim), pow2(head_dim if head_dim_v is None else head_dim_v))
     cls = "32" if jnp.dtype(dtype).itemsize >= 4 else "16"
     table = BWD_CONFIGS[device_family(device_kind)]
     for max_d in (64, 128, 256):
@@ -241,7 +249,7 @@ def _call_score_mod(score_mod, captured, s, b, h, q_idx, kv_idx):
 
 def _delta_kernel(o_ref, do_ref, delta_ref, *, block: int, lq: int, dv: int):
     start = pl.program_id(2) * block
-    dvp = _pow2(dv)
+    dvp = pow2(dv)
     o = _load_rows(o_ref, start, block, lq, dvp, dv).astype(jnp.float32)
     do = _load_rows(do_ref, start, block, lq, dvp, dv).astype(jnp.float32)
     row_ok = (start + jnp.arange(block, dtype=jnp.int32)) < lq
@@ -294,7 +302,7 @@ def _dkdv_kernel(*refs, n_cap, groups, bq, bkv, mask_bq, mask_bkv, lq, lkv, d, d
     cap_refs = refs[12:12 + n_cap]
     dk_ref, dv_ref = refs[12 + n_cap:]
     b, hkv, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    dp_, dvp = _pow2(d), _pow2(dv)
+    dp_, dvp = pow2(d), pow2(dv)
     kv_start = t * bkv
     k = _load_rows(k_ref, kv_start, bkv, lkv, dp_, d, kv_exact)
     v = _load_rows(v_ref, kv_start, bkv, lkv, dvp, dv, kv_exact)
@@ -343,7 +351,7 @@ def _dq_kernel(*refs, n_cap, groups, bq, bkv, mask_bq, mask_bkv, lq, lkv, d, dv,
     cap_refs = refs[12:12 + n_cap]
     (dq_ref,) = refs[12 + n_cap:]
     b, h, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    dp_, dvp = _pow2(d), _pow2(dv)
+    dp_, dvp = pow2(d), pow2(dv)
     q_start = t * bq
     q = _load_rows(q_ref, q_start, bq, lq, dp_, d, q_exact)
     do = _load_rows(do_ref, q_start, bq, lq, dvp, dv, q_exact)
@@ -409,7 +417,7 @@ def flash_attention_bwd(q, k, v, out, lse, dout, *, block_mask: BlockMask | None
         bwd = default_bwd_config(d, dv, q.dtype, kind)
         bwd.check_smem(d, dv, q.dtype.itemsize, SMEM_LIMITS[device_family(kind)])
         # Tiles no longer than the (power-of-two padded) sequences: tiny inputs launch tiny tiles.
-        cq, ckv = max(16, _pow2(lq)), max(16, _pow2(lkv))
+        cq, ckv = max(16, pow2(lq)), max(16, pow2(lkv))
         bwd = dataclasses.replace(bwd, block_q_dkv=min(bwd.block_q_dkv, cq), block_q_dq=min(bwd.block_q_dq, cq),
                                   block_kv_dkv=min(bwd.block_kv_dkv, ckv), block_kv_dq=min(bwd.block_kv_dq, ckv))
     if mask_mod is None and block_mask is not None and block_mask.mask_mod is not None:
@@ -419,10 +427,10 @@ def flash_attention_bwd(q, k, v, out, lse, dout, *, block_mask: BlockMask | None
     mask_bq, mask_bkv = block_mask.block_q, block_mask.block_kv
     bm_dep = block_mask.kv_num_blocks.shape[0] > 1
     hm_dep = block_mask.kv_num_blocks.shape[1] > 1
-    dp_, dvp = _pow2(d), _pow2(dv)
+    dp_, dvp = pow2(d), pow2(dv)
 
     # 1. delta = rowsum(dout * out), float32.
-    blk = min(bwd.block_delta, _pow2(lq))
+    blk = min(bwd.block_delta, pow2(lq))
     o_spec = pl.BlockSpec((None, None, lq, dv), lambda b, h, t: (b, h, 0, 0))
     delta = pl.pallas_call(
         functools.partial(_delta_kernel, block=blk, lq=lq, dv=dv),
