@@ -167,22 +167,18 @@ def _intra_chunk(q, k, v, log_alpha, beta, scale: float):
         o_intra = scale * _mm("...tj,...jv->...tv", scores, v)
         q_eff = (scale * gamma)[..., None] * q
         h = _mm("...jk,...jv->...kv", k_dec, v)
-        return o_intra, q_eff, chunk_decay, h
+        return o_intra, q_eff, (chunk_decay, h)
 
-    # Fewer, wider matmuls: [q; k] k^T, T^-1 [b v, b g k], P [u, w], k_dec^T [w, u].
-    dk, dv = k.shape[-1], v.shape[-1]
-    qk_kk = _mm("...tk,...jk->...tj", jnp.concatenate([q, k], axis=-2), k)
-    scores = qk_kk[..., :size, :] * decay
-    a = jnp.where(strict, beta[..., :, None] * qk_kk[..., size:, :] * decay, 0.0)
+    qk = _mm("...tk,...jk->...tj", q, k)
+    kk = _mm("...tk,...jk->...tj", k, k)
+    scores = qk * decay
+    a = jnp.where(strict, beta[..., :, None] * kk * decay, 0.0)
     t_inv = _unit_lower_inverse(a)
-    uw = _mm("...tj,...jx->...tx", t_inv, beta[..., None] * jnp.concatenate([v, gamma[..., None] * k], axis=-1))
-    p_uw = _mm("...tj,...jx->...tx", scores, uw)
-    o_intra = scale * p_uw[..., :dv]
-    q_eff = scale * (gamma[..., None] * q - p_uw[..., dv:])
-    kdec_wu = _mm("...jk,...jx->...kx", k_dec, jnp.concatenate([uw[..., dv:], uw[..., :dv]], axis=-1))
-    transition = chunk_decay[..., None, None] * jnp.eye(dk, dtype=k.dtype) - kdec_wu[..., :dk]
-    h = kdec_wu[..., dk:]
-    return o_intra, q_eff, transition, h
+    u = _mm("...tj,...jx->...tx", t_inv, beta[..., None] * v)
+    w = _mm("...tj,...jx->...tx", t_inv, (beta * gamma)[..., None] * k)
+    o_intra = scale * _mm("...tj,...jx->...tx", scores, u)
+    q_eff = scale * (gamma[..., None] * q - _mm("...tj,...jx->...tx", scores, w))
+    return o_intra, q_eff, (chunk_decay, u, w, k_dec)
 
 
 def _segments(seq_len: int, chunk_size: int) -> list[tuple[int, int, int]]:
@@ -197,134 +193,173 @@ def _segments(seq_len: int, chunk_size: int) -> list[tuple[int, int, int]]:
 
 
 def _precompute(q, k, v, log_alpha, beta, *, scale: float, chunk_size: int):
-    """Upcasts, cuts the sequence into chunks and runs :func:`_intra_chunk` per segment.
+    """Upcasts, cuts the sequence into segments of chunks and runs :func:`_intra_chunk` on each.
 
-    Returns (o_intra per segment, q_eff per segment, transition [B, H, Nc, ...], h [B, H, Nc, dk, dv])
-    where Nc counts all chunks including a final partial one.
+    Returns one ``(o_intra, q_eff, terms)`` per segment, chunk-major: the full chunks [N, B, H, C, ...],
+    then the remainder as one chunk [1, B, H, T % C, ...]. ``terms`` drive the state recurrence: with beta
+    ``(chunk_decay, u, w, k_dec)``, without ``(chunk_decay, h)``.
     """
     cdt = _compute_dtype(q, k, v, log_alpha, beta)
-    seq_len = q.shape[2]
-    o_intra, q_eff, transitions, hs = [], [], [], []
-    for start, num, size in _segments(seq_len, chunk_size):
+    parts = []
+    for start, num, size in _segments(q.shape[2], chunk_size):
         def cut(x):
             if x is None:
                 return None
             x = lax.slice_in_dim(x, start, start + num * size, axis=2).astype(cdt)
-            return x.reshape(x.shape[:2] + (num, size) + x.shape[3:])
+            return _to_chunks(x, num)
 
-        parts = _intra_chunk(cut(q), cut(k), cut(v), cut(log_alpha), cut(beta), scale)
-        o_intra.append(parts[0])
-        q_eff.append(parts[1])
-        transitions.append(parts[2])
-        hs.append(parts[3])
-    return tuple(o_intra), tuple(q_eff), jnp.concatenate(transitions, axis=2), jnp.concatenate(hs, axis=2)
+        parts.append(_intra_chunk(cut(q), cut(k), cut(v), cut(log_alpha), cut(beta), scale))
+    return tuple(parts)
 
 
-def _state_scan(transition, h, state0):
-    """S_{n+1} = transition_n S_n + h_n over chunks. Returns (S_n at every chunk start [B,H,Nc,dk,dv], S_Nc)."""
+def _to_chunks(x, num):
+    """[B, H, num * C, ...] -> chunk-major [num, B, H, C, ...]: the scans then slice their leading axis
+    and every per-chunk array is made in that layout (no transposes around the scans)."""
+    x = x.reshape(x.shape[:2] + (num, x.shape[2] // num) + x.shape[3:])
+    return jnp.moveaxis(x, 2, 0)
+
+
+def _from_chunks(x):
+    """[num, B, H, C, ...] -> [B, H, num * C, ...]."""
+    x = jnp.moveaxis(x, 0, 2)
+    return x.reshape(x.shape[:2] + (-1,) + x.shape[4:])
+
+
+def _state_update(state, terms):
+    """One chunk of the state recurrence: (S_{n+1}, D_n or None)."""
+    if len(terms) == 2:
+        chunk_decay, h = terms
+        return chunk_decay[..., None, None] * state + h, None
+    chunk_decay, u, w, k_dec = terms
+    delta = u - _mm("...ck,...kv->...cv", w, state)
+    return chunk_decay[..., None, None] * state + _mm("...ck,...cv->...kv", k_dec, delta), delta
+
+
+def _output_scan(parts, state0, out_dtype):
+    """Forward without keeping the chunk states: O_n = o_intra_n + q_eff_n S_n inside the scan."""
+    state = state0.astype(parts[0][0].dtype)
+    outs = []
+    for o_intra, q_eff, terms in parts:
+        def step(state, x):
+            o_intra_n, q_eff_n, terms_n = x
+            out = o_intra_n + _mm("...tk,...kv->...tv", q_eff_n, state)
+            return _state_update(state, terms_n)[0], out
+
+        state, o = lax.scan(step, state, (o_intra, q_eff, terms))
+        outs.append(_from_chunks(o))
+    return jnp.concatenate(outs, axis=2).astype(out_dtype), state
+
+
+def _state_scan(terms, state):
+    """Runs the state over one segment's chunks.
+
+    With beta: ``D_n = u_n - w_n S_n``, ``S_{n+1} = g_n S_n + k_dec_n^T D_n``; without:
+    ``S_{n+1} = g_n S_n + h_n``. Returns (S_n at every chunk start [N, B, H, dk, dv], D_n [N, B, H, C, dv]
+    or None, the state after the segment).
+    """
     def step(state, x):
-        trans_n, h_n = x
-        if trans_n.ndim == state.ndim:
-            new = _mm("...kj,...jv->...kv", trans_n, state) + h_n
-        else:
-            new = trans_n[..., None, None] * state + h_n
-        return new, state
+        new, delta = _state_update(state, x)
+        return new, (state, delta)
 
-    final, starts = lax.scan(step, state0, (jnp.moveaxis(transition, 2, 0), jnp.moveaxis(h, 2, 0)))
-    return jnp.moveaxis(starts, 0, 2), final
+    final, (starts, deltas) = lax.scan(step, state, terms)
+    return starts, deltas, final
 
 
-def _split_chunks(states, segs_like):
-    """Splits [B, H, Nc, ...] along the chunk axis into the segments' chunk counts."""
-    out, start = [], 0
-    for seg in segs_like:
-        num = seg.shape[2]
-        out.append(lax.slice_in_dim(states, start, start + num, axis=2))
-        start += num
-    return out
+def _run_states(parts, state0):
+    """State scans over all segments in order: per segment (starts, deltas), and the final state."""
+    state = state0.astype(parts[0][0].dtype)
+    out = []
+    for _, _, terms in parts:
+        starts, deltas, state = _state_scan(terms, state)
+        out.append((starts, deltas))
+    return tuple(out), state
 
 
-def _assemble(o_intra, q_eff, starts, out_dtype):
+def _assemble(parts, states, out_dtype):
     """O = o_intra + q_eff @ S_start per chunk, flattened back to [B, H, T, dv]."""
     outs = []
-    for o_seg, q_seg, s_seg in zip(o_intra, q_eff, _split_chunks(starts, q_eff)):
-        o = o_seg + _mm("...ntk,...nkv->...ntv", q_seg, s_seg)
-        outs.append(o.reshape(o.shape[:2] + (-1, o.shape[-1])))
+    for (o_intra, q_eff, _), (starts, _) in zip(parts, states):
+        outs.append(_from_chunks(o_intra + _mm("...tk,...kv->...tv", q_eff, starts)))
     return jnp.concatenate(outs, axis=2).astype(out_dtype)
+
+
+def _reverse_scan(q_eff, terms, starts, deltas, do, adj):
+    """Adjoint of one segment's outputs ``O_n = o_intra_n + q_eff_n S_n`` and of its state scan.
+
+    One reverse scan does all state-dependent products per chunk while S_n and its adjoint are hot.
+    do [N, B, H, C, dv]: output cotangent; adj: adjoint of the state after the segment. Returns
+    (cotangent of q_eff, cotangents of ``terms``, adjoint of the state before the segment).
+    """
+    def step(adj_next, x):
+        q_eff_n, terms_n, start, delta, do_n = x
+        d_q_eff = _mm("...tv,...kv->...tk", do_n, start)
+        adj = _mm("...tk,...tv->...kv", q_eff_n, do_n) + terms_n[0][..., None, None] * adj_next
+        d_decay = jnp.sum(adj_next * start, axis=(-2, -1))
+        if len(terms_n) == 2:
+            return adj, (d_q_eff, (d_decay, adj_next))
+        _, _, w, k_dec = terms_n
+        d_delta = _mm("...ck,...kv->...cv", k_dec, adj_next)          # = d u
+        adj = adj - _mm("...ck,...cv->...kv", w, d_delta)
+        d_w = -_mm("...cv,...kv->...ck", d_delta, start)
+        d_kdec = _mm("...cv,...kv->...ck", delta, adj_next)
+        return adj, (d_q_eff, (d_decay, d_delta, d_w, d_kdec))
+
+    adj, (d_q_eff, d_terms) = lax.scan(step, adj, (q_eff, terms, starts, deltas, do), reverse=True)
+    return d_q_eff, d_terms, adj
 
 
 def _forward(q, k, v, log_alpha, beta, state0, scale, chunk_size):
     pre = functools.partial(_precompute, scale=scale, chunk_size=chunk_size)
-    (o_intra, q_eff, transition, h), pullback = jax.vjp(pre, q, k, v, log_alpha, beta)
-    starts, final = _state_scan(transition, h, state0.astype(transition.dtype))
-    o = _assemble(o_intra, q_eff, starts, v.dtype)
-    return o, final, (pullback, q_eff, transition, starts)
+    parts, pullback = jax.vjp(pre, q, k, v, log_alpha, beta)
+    states, final = _run_states(parts, state0)
+    return _assemble(parts, states, v.dtype), final, (pullback, parts, states)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
 def _chunked(q, k, v, log_alpha, beta, state0, scale: float, chunk_size: int, fat: bool):
-    pre = _precompute(q, k, v, log_alpha, beta, scale=scale, chunk_size=chunk_size)
-    o_intra, q_eff, transition, h = pre
-    starts, final = _state_scan(transition, h, state0.astype(transition.dtype))
-    return _assemble(o_intra, q_eff, starts, v.dtype), final
+    parts = _precompute(q, k, v, log_alpha, beta, scale=scale, chunk_size=chunk_size)
+    return _output_scan(parts, state0, v.dtype)
 
 
 def _chunked_fwd(q, k, v, log_alpha, beta, state0, scale, chunk_size, fat):
-    o, final, saved = _forward(q, k, v, log_alpha, beta, state0, scale, chunk_size)
-    if fat:
-        # Everything the backward needs: the precompute's own residuals and every chunk-start state.
-        return (o, final), (saved, state0)
-    # Only the inputs: the backward recomputes the precompute and re-derives the chunk states.
-    return (o, final), ((q, k, v, log_alpha, beta), state0)
+    if not fat:
+        # Only the inputs: the backward recomputes the precompute and re-derives the chunk states.
+        parts = _precompute(q, k, v, log_alpha, beta, scale=scale, chunk_size=chunk_size)
+        return _output_scan(parts, state0, v.dtype), ((q, k, v, log_alpha, beta), state0)
+    # Everything the backward needs: the precompute's own residuals, its outputs (not o_intra) and
+    # every chunk-start state.
+    o, final, (pullback, parts, states) = _forward(q, k, v, log_alpha, beta, state0, scale, chunk_size)
+    parts = tuple((None, q_eff, terms) for _, q_eff, terms in parts)
+    return (o, final), ((pullback, parts, states), state0)
 
 
 def _chunked_bwd(scale, chunk_size, fat, res, cotangents):
     do, dfinal = cotangents
     saved, state0 = res
     if fat:
-        pullback, q_eff, transition, starts = saved
+        pullback, parts, states = saved
     else:
         # The barrier (over the residuals and the cotangents, as jax.checkpoint does) keeps XLA from
         # CSE-ing this recomputation with the forward under one jit, which would keep every
         # intermediate alive and defeat the O(inputs) residuals.
         (saved, state0), do = lax.optimization_barrier(((saved, state0), do))
-        q, k, v, log_alpha, beta = saved
         pre = functools.partial(_precompute, scale=scale, chunk_size=chunk_size)
-        (_, q_eff, transition, h), pullback = jax.vjp(pre, q, k, v, log_alpha, beta)
-        starts, _ = _state_scan(transition, h, state0.astype(transition.dtype))
-    cdt = transition.dtype
+        parts, pullback = jax.vjp(pre, *saved)
+        states, _ = _run_states(parts, state0)
+    cdt = parts[0][1].dtype
 
-    # Output O = o_intra + q_eff @ S_start, per segment.
-    do_segs, d_q_eff, direct = [], [], []
-    offset = 0
-    for q_seg, s_seg in zip(q_eff, _split_chunks(starts, q_eff)):
-        num, size = q_seg.shape[2], q_seg.shape[3]
-        do_seg = lax.slice_in_dim(do, offset, offset + num * size, axis=2).astype(cdt)
-        do_seg = do_seg.reshape(do_seg.shape[:2] + (num, size, do_seg.shape[-1]))
-        offset += num * size
-        do_segs.append(do_seg)
-        d_q_eff.append(_mm("...ntv,...nkv->...ntk", do_seg, s_seg))
-        direct.append(_mm("...ntk,...ntv->...nkv", q_seg, do_seg))
-    direct = jnp.concatenate(direct, axis=2)
-
-    # Adjoint of S_{n+1} = M_n S_n + h_n: adj_n = direct_n + M_n^T adj_{n+1}, adj_Nc = dfinal.
-    def step(adj_next, x):
-        trans_n, direct_n = x
-        if trans_n.ndim == adj_next.ndim:
-            adj = direct_n + _mm("...jk,...jv->...kv", trans_n, adj_next)
-        else:
-            adj = direct_n + trans_n[..., None, None] * adj_next
-        return adj, adj_next
-
-    dstate0, adj_ends = lax.scan(step, dfinal.astype(cdt),
-                                 (jnp.moveaxis(transition, 2, 0), jnp.moveaxis(direct, 2, 0)), reverse=True)
-    adj_ends = jnp.moveaxis(adj_ends, 0, 2)      # adjoint of the state at the end of each chunk
-    if transition.ndim == starts.ndim:
-        d_transition = _mm("...nkv,...njv->...nkj", adj_ends, starts)
-    else:
-        d_transition = jnp.sum(adj_ends * starts, axis=(-2, -1))
-    dq, dk, dv, dlog_alpha, dbeta = pullback((tuple(do_segs), tuple(d_q_eff), d_transition, adj_ends))
-    return dq, dk, dv, dlog_alpha, dbeta, dstate0.astype(state0.dtype)
+    # Segments last to first; per chunk the output O = o_intra + q_eff @ S_start and the recurrence.
+    adj = dfinal.astype(cdt)
+    cts, end = [None] * len(parts), do.shape[2]
+    for i in reversed(range(len(parts))):
+        _, q_eff, terms = parts[i]
+        num, size = q_eff.shape[0], q_eff.shape[3]
+        do_seg = _to_chunks(lax.slice_in_dim(do, end - num * size, end, axis=2).astype(cdt), num)
+        end -= num * size
+        d_q_eff, d_terms, adj = _reverse_scan(q_eff, terms, *states[i], do_seg, adj)
+        cts[i] = (do_seg, d_q_eff, d_terms)
+    dq, dk, dv, dlog_alpha, dbeta = pullback(tuple(cts))
+    return dq, dk, dv, dlog_alpha, dbeta, adj.astype(state0.dtype)
 
 
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
