@@ -369,3 +369,30 @@ def test_long_sequence_runs_in_linear_memory():
     assert grad.memory_analysis().temp_size_in_bytes < 2 ** 30
     out = jax.jit(f)(q, k, v)
     assert np.all(np.isfinite(out[0, :, ::997]))
+
+
+def test_vmap_over_captured_arrays():
+    """vmap over per-example segment ids and bias tables (traced block masks, batched schedules)."""
+    keys = jax.random.split(jax.random.PRNGKey(12), 5)
+    q = jax.random.normal(keys[0], (3, 1, 4, 40, 16))
+    k = jax.random.normal(keys[1], (3, 1, 2, 40, 16))
+    v = jax.random.normal(keys[2], (3, 1, 2, 40, 16))
+    seg = jnp.sort(jax.random.randint(keys[3], (3, 1, 40), 0, 3), axis=-1)
+    table = jax.random.normal(keys[4], (3, 4, 79))
+
+    def f(q, k, v, seg, table):
+        return flashlax.flex_attention(q, k, v, mask_mod=masks.document(seg),
+                                       score_mod=score_mods.relative_bias(table), impl="xla")
+
+    out = jax.jit(jax.vmap(f))(q, k, v, seg, table)
+    dq, dtable = jax.jit(jax.vmap(jax.grad(lambda *a: f(*a).sum(), (0, 4))))(q, k, v, seg, table)
+    with jax.enable_x64():
+        for i in range(3):
+            ref = lambda q, t: attention_reference(q, jnp.asarray(k[i], jnp.float64), jnp.asarray(v[i], jnp.float64),
+                                                   mask_mod=masks.document(seg[i]),
+                                                   score_mod=score_mods.relative_bias(t))[0]
+            q64, t64 = jnp.asarray(q[i], jnp.float64), jnp.asarray(table[i], jnp.float64)
+            assert rel_err(out[i], ref(q64, t64)) <= TOLERANCES["float32"]
+            ref_dq, ref_dtable = jax.grad(lambda q, t: ref(q, t).sum(), (0, 1))(q64, t64)
+            assert rel_err(dq[i], ref_dq) <= 4 * TOLERANCES["float32"]
+            assert rel_err(dtable[i], ref_dtable) <= 4 * TOLERANCES["float32"]
