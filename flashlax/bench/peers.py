@@ -161,7 +161,7 @@ def chosen_num_splits(impl: str | None, batch: int, kv_heads: int, max_len: int)
     name = impl or dispatch.default_impl("decode_attention")
     modules = []
     entry = dispatch.TABLE["decode_attention"].get(name)
-    if entry is not None:
+    if entry is not None and entry.target:
         modules.append(entry.target.partition(":")[0])
     modules.append("flashlax.fallbacks.decode")
     for module_name in modules:
