@@ -11,7 +11,6 @@ product, so NaN garbage cannot leak).
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
