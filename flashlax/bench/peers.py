@@ -96,14 +96,14 @@ def torch_sdpa(*, causal: bool = False, dense_mask: np.ndarray | None = None, sc
     if torch is None:
         return unavailable("torch_sdpa", RuntimeError("torch is not installed."))
     device = torch_device or ("cuda" if harness.on_gpu() and torch.cuda.is_available() else "cpu")
-    mask = None if dense_mask is None else torch.from_numpy(np.asarray(dense_mask)).to(device)
+    mask = None if dense_mask is None else torch.from_numpy(np.array(dense_mask, dtype=bool)).to(device)
     functional = torch.nn.functional
 
     def prepare(x):
-        array = np.asarray(jax.device_get(x))
+        array = np.array(jax.device_get(x))  # a writable copy: torch.from_numpy warns on read-only arrays
         if array.dtype == jnp.bfloat16:  # numpy bf16 (ml_dtypes) does not cross into torch directly
             return torch.from_numpy(array.astype(np.float32)).to(device=device, dtype=torch.bfloat16)
-        return torch.from_numpy(np.ascontiguousarray(array)).to(device)
+        return torch.from_numpy(array).to(device)
 
     def finish(t):
         return np.asarray(t.detach().float().cpu().numpy())
