@@ -54,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-sample-s", type=float, default=None,
                    help="target length of one timed sample; sets `inner` (default 0.05 s CPU, 0.02 s GPU)")
     p.add_argument("--ref-max-seq", type=int, default=None,
-                   help="largest (query) length with a float64 reference; above it rel_err is null")
+                   help="largest (query) length with a float64 reference; above it rel_err is null "
+                        "(0: no reference, for timing-only runs; the decode reference at KV 65536 takes seconds)")
     p.add_argument("--ref-dtype", choices=("float64", "float32"), default="float64",
                    help="linear reference precision (float32 when float64 is too slow)")
     p.add_argument("--max-dense-gb", type=float, default=16.0,

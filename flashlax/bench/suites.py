@@ -76,8 +76,11 @@ class Case:
             return None
         if self._ref is None or (with_grads and not self._ref_grads_done):
             with_grads = with_grads or self.want_grads
+            start = time.perf_counter()
             self._ref = self.reference(self.arg_sets[0], with_grads)
             self._ref_grads_done = with_grads
+            print(f"  (float64 reference{' with gradients' if with_grads else ''}: "
+                  f"{time.perf_counter() - start:.1f} s)", file=sys.stderr, flush=True)
         return self._ref
 
 
