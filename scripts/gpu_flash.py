@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 
@@ -28,21 +27,15 @@ from flashlax.kernels.configs import FlashConfig, device_family, flash_config
 from flashlax.kernels.flash_attention import flex_attention_pallas
 from flashlax.reference import attention_reference
 
-T0 = time.perf_counter()
+from _gpu_common import T0, bench as _bench, log, rel, rnd  # noqa: E402 (scripts/ is on sys.path)
+
 ROWS: list[dict] = []
 
 
-def log(*a):
-    print(f"[{time.perf_counter() - T0:6.1f}s]", *a, flush=True)
 
 
-def rnd(key, shape, dtype):
-    return jax.random.normal(jax.random.PRNGKey(key), shape, jnp.float32).astype(dtype)
 
 
-def rel(x, ref):
-    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-    return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -127,22 +120,6 @@ def check(args):
 # 2. timing
 # ----------------------------------------------------------------------------------------------------
 
-def bench(f, *a, target_ms=60.0, reps=7):
-    t = time.perf_counter()
-    jax.block_until_ready(f(*a))
-    compile_s = time.perf_counter() - t
-    t = time.perf_counter()
-    jax.block_until_ready(f(*a))
-    one = max(time.perf_counter() - t, 1e-5)
-    iters = int(min(50, max(3, target_ms / 1e3 / one)))
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        for _ in range(iters):
-            out = f(*a)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t) / iters * 1e3)
-    return statistics.median(times), compile_s
 
 
 def equal_docs(B, L, n):
@@ -323,3 +300,7 @@ def main():
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def bench(f, *a, target_ms=60.0, reps=7):
+    return _bench(f, *a, target_ms=target_ms, reps=reps, min_iters=3)

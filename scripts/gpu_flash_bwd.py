@@ -16,9 +16,7 @@ Prints a table at the end; ``--budget`` seconds bounds the run (later timings ar
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
-import statistics
 import time
 
 import jax
@@ -30,7 +28,8 @@ from flashlax.kernels import flash_attention_bwd as fab
 from flashlax.kernels.flash_attention import flex_attention_pallas
 from flashlax.reference import attention_reference
 
-T0 = time.perf_counter()
+from _gpu_common import T0, bench as _bench, log, rel, rnd  # noqa: E402 (scripts/ is on sys.path)
+
 ROWS: list[dict] = []
 ANCHORS = {  # fwd+bwd ms, H200 bf16 (shared/ANCHORS.md): cudnn, torch flex, torch sdpa, jax in-tree pallas
     "B2 T4096 causal": (2.42, 2.97, 2.12, 7.35),
@@ -39,17 +38,10 @@ ANCHORS = {  # fwd+bwd ms, H200 bf16 (shared/ANCHORS.md): cudnn, torch flex, tor
 }
 
 
-def log(*a):
-    print(f"[{time.perf_counter() - T0:6.1f}s]", *a, flush=True)
 
 
-def rnd(key, shape, dtype):
-    return jax.random.normal(jax.random.PRNGKey(key), shape, jnp.float32).astype(dtype)
 
 
-def rel(x, ref):
-    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-    return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
 def check(args, names=None, dtypes=(jnp.bfloat16, jnp.float32), determinism=True):
@@ -116,22 +108,6 @@ def check(args, names=None, dtypes=(jnp.bfloat16, jnp.float32), determinism=True
     return fails
 
 
-def bench(f, *a, target_ms=80.0, reps=7):
-    t = time.perf_counter()
-    jax.block_until_ready(f(*a))
-    compile_s = time.perf_counter() - t
-    t = time.perf_counter()
-    jax.block_until_ready(f(*a))
-    one = max(time.perf_counter() - t, 1e-5)
-    iters = int(min(50, max(2, target_ms / 1e3 / one)))
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        for _ in range(iters):
-            out = f(*a)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t) / iters * 1e3)
-    return statistics.median(times), compile_s
 
 
 ALL_CASES = ("causal d128 g4", "full d64 g4 Lq!=Lkv", "window d96 g3", "doc d192/128 g1", "prefix+alibi d64 g2",
@@ -256,3 +232,7 @@ def main():
 
 if __name__ == "__main__":
     main()
+
+
+def bench(f, *a, target_ms=80.0, reps=7):
+    return _bench(f, *a, target_ms=target_ms, reps=reps, min_iters=2)

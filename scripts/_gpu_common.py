@@ -1,0 +1,46 @@
+"""Helpers shared by the GPU check-and-time scripts (gpu_flash.py, gpu_flash_bwd.py)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+T0 = time.perf_counter()
+
+
+def log(*a):
+    print(f"[{time.perf_counter() - T0:6.1f}s]", *a, flush=True)
+
+
+def rnd(key, shape, dtype):
+    """Fresh standard-normal input (never zeros), drawn in float32 and cast."""
+    return jax.random.normal(jax.random.PRNGKey(key), shape, jnp.float32).astype(dtype)
+
+
+def rel(x, ref):
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def bench(f, *a, target_ms=60.0, reps=7, min_iters=3):
+    """(median ms per call, first-call seconds): one compile call, then `reps` samples of back-to-back calls
+    sized so one sample lasts about `target_ms`."""
+    t = time.perf_counter()
+    jax.block_until_ready(f(*a))
+    compile_s = time.perf_counter() - t
+    t = time.perf_counter()
+    jax.block_until_ready(f(*a))
+    one = max(time.perf_counter() - t, 1e-5)
+    iters = int(min(50, max(min_iters, target_ms / 1e3 / one)))
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        for _ in range(iters):
+            out = f(*a)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t) / iters * 1e3)
+    return statistics.median(times), compile_s
