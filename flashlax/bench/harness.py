@@ -143,9 +143,10 @@ def quartiles(samples_ms: Sequence[float]) -> tuple[float, float, float]:
 class Timer:
     """Times ``call(args)`` rotating through ``arg_sets``. On creation: one warm-up call per set (not used),
     then a probe that picks ``inner`` so one sample lasts about ``min_sample_s`` (well above timer
-    resolution and launch jitter). Each :meth:`sample` runs ``inner`` calls back to back and synchronises
-    once with ``sync``. Samples of several timers may be interleaved (suites do, round-robin over the
-    implementations of one shape, so load changes on a shared machine hit every peer alike)."""
+    resolution and launch jitter). Each :meth:`sample` makes one untimed settling call, then runs ``inner``
+    calls back to back and synchronises once with ``sync``. Samples of several timers may be interleaved
+    (suites do, round-robin over the implementations of one shape, so load changes on a shared machine
+    hit every peer alike)."""
 
     def __init__(self, call: Callable[[Any], Any], arg_sets: Sequence[Any], *, sync: Callable = _block,
                  min_sample_s: float = 0.05, max_inner: int = 1000):
@@ -159,6 +160,10 @@ class Timer:
         self.samples_ms: list[float] = []
 
     def sample(self) -> float:
+        # One untimed call first: samples of several timers are interleaved, and the first call after
+        # another implementation pays for that one's side effects (on CPU, re-faulting the memory a large
+        # backward just released: seen as 1.4x on chunked fwd+bwd right after the recurrent one).
+        self.sync(self.call(self.arg_sets[-1]))
         start = time.perf_counter()
         out = None
         for i in range(self.inner):
