@@ -286,26 +286,31 @@ def _assemble(parts, states, out_dtype):
 def _reverse_scan(q_eff, terms, starts, deltas, do, adj):
     """Adjoint of one segment's outputs ``O_n = o_intra_n + q_eff_n S_n`` and of its state scan.
 
-    One reverse scan does all state-dependent products per chunk while S_n and its adjoint are hot.
-    do [N, B, H, C, dv]: output cotangent; adj: adjoint of the state after the segment. Returns
-    (cotangent of q_eff, cotangents of ``terms``, adjoint of the state before the segment).
+    Only the adjoint recurrence is sequential (per chunk: adj_n = q_eff_n^T dO_n + g_n adj_{n+1}
+    - w_n^T (k_dec_n adj_{n+1})); the products that merely read S_n or adj_{n+1} run afterwards as
+    matmuls batched over all chunks. do [N, B, H, C, dv]: output cotangent; adj: adjoint of the state
+    after the segment. Returns (cotangent of q_eff, cotangents of ``terms``, adjoint of the state
+    before the segment).
     """
+    with_beta = len(terms) == 4
+
     def step(adj_next, x):
-        q_eff_n, terms_n, start, delta, do_n = x
-        d_q_eff = _mm("...tv,...kv->...tk", do_n, start)
+        q_eff_n, terms_n, do_n = x
         adj = _mm("...tk,...tv->...kv", q_eff_n, do_n) + terms_n[0][..., None, None] * adj_next
-        d_decay = jnp.sum(adj_next * start, axis=(-2, -1))
-        if len(terms_n) == 2:
-            return adj, (d_q_eff, (d_decay, adj_next))
+        if not with_beta:
+            return adj, (adj_next, None)
         _, _, w, k_dec = terms_n
         d_delta = _mm("...ck,...kv->...cv", k_dec, adj_next)          # = d u
-        adj = adj - _mm("...ck,...cv->...kv", w, d_delta)
-        d_w = -_mm("...cv,...kv->...ck", d_delta, start)
-        d_kdec = _mm("...cv,...kv->...ck", delta, adj_next)
-        return adj, (d_q_eff, (d_decay, d_delta, d_w, d_kdec))
+        return adj - _mm("...ck,...cv->...kv", w, d_delta), (adj_next, d_delta)
 
-    adj, (d_q_eff, d_terms) = lax.scan(step, adj, (q_eff, terms, starts, deltas, do), reverse=True)
-    return d_q_eff, d_terms, adj
+    adj, (adj_next, d_delta) = lax.scan(step, adj, (q_eff, terms, do), reverse=True)
+    d_q_eff = _mm("...tv,...kv->...tk", do, starts)
+    d_decay = jnp.sum(adj_next * starts, axis=(-2, -1))
+    if not with_beta:
+        return d_q_eff, (d_decay, adj_next), adj
+    d_w = -_mm("...cv,...kv->...ck", d_delta, starts)
+    d_kdec = _mm("...cv,...kv->...ck", deltas, adj_next)
+    return d_q_eff, (d_decay, d_delta, d_w, d_kdec), adj
 
 
 def _forward(q, k, v, log_alpha, beta, state0, scale, chunk_size):
