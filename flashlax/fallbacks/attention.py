@@ -243,6 +243,15 @@ def _assemble(tiles, length: int, block: int):
     return jnp.concatenate([head, tail], axis=3)
 
 
+def _kv_tile(spec: _Spec, sched: Schedule, k, v, kv_starts, q_start, i, t):
+    """The t-th visited kv tile of query tile i: (tile index j, its first key, K tile, V tile, positions)."""
+    j = sched.kv_tiles[i, t]
+    kv_start = kv_starts[j]
+    k_t = lax.dynamic_slice_in_dim(k, kv_start, spec.block_kv, axis=2)
+    v_t = lax.dynamic_slice_in_dim(v, kv_start, spec.block_kv, axis=2)
+    return j, kv_start, k_t, v_t, _tile_indices(spec, q_start, kv_start)
+
+
 def _forward(spec: _Spec, q, k, v, score_consts, mask_consts, sched: Schedule):
     """q [B, Hkv, G, Lq, D], k [B, Hkv, Lkv, D], v [B, Hkv, Lkv, Dv] -> out [B, Hkv, G, Lq, Dv], lse f32."""
     bsz, hkv, m_rows, dv = spec.batch, spec.kv_heads, spec.rows, v.shape[-1]
@@ -256,11 +265,7 @@ def _forward(spec: _Spec, q, k, v, score_consts, mask_consts, sched: Schedule):
 
         def kv_step(t, carry):
             m, l, acc = carry
-            j = sched.kv_tiles[i, t]
-            kv_start = kv_starts[j]
-            k_t = lax.dynamic_slice_in_dim(k, kv_start, spec.block_kv, axis=2)
-            v_t = lax.dynamic_slice_in_dim(v, kv_start, spec.block_kv, axis=2)
-            idx = _tile_indices(spec, q_start, kv_start)
+            j, _, k_t, v_t, idx = _kv_tile(spec, sched, k, v, kv_starts, q_start, i, t)
 
             def update(masked: bool):
                 s = _apply_score_mod(spec, _raw_scores(spec, q_t, k_t), score_consts, idx)
@@ -323,11 +328,7 @@ def _backward(spec: _Spec, q, k, v, out, lse, dout, dlse, score_consts, mask_con
 
         def kv_step(t, c):
             dq_t, dk_acc, dv_acc, dc = c
-            j = sched.kv_tiles[i, t]
-            kv_start = kv_starts[j]
-            k_t = lax.dynamic_slice_in_dim(k, kv_start, spec.block_kv, axis=2)
-            v_t = lax.dynamic_slice_in_dim(v, kv_start, spec.block_kv, axis=2)
-            idx = _tile_indices(spec, q_start, kv_start)
+            j, kv_start, k_t, v_t, idx = _kv_tile(spec, sched, k, v, kv_starts, q_start, i, t)
 
             def grads(masked: bool):
                 s_raw = _raw_scores(spec, q_t, k_t)
