@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: the gpu-marked tests and the benchmark suites on the GPU, in the order given as
-# arguments (default: tests prefill decode linear), each step time-boxed (T_<STEP> seconds), every log and
+# arguments (default: tests prefill decode linear; also: prefill4k, prefill16k, dims, quick), each step time-boxed (T_<STEP> seconds), every log and
 # JSON written under $OUT as it goes, so a cut-off run still returns what finished.
 set -u
 export PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
@@ -10,9 +10,19 @@ step() { local secs=$1 name=$2; shift 2; echo "=== $name"; timeout "$secs" "$@" 
 steps=${*:-tests prefill decode linear}
 for s in $steps; do
   case $s in
-    tests) step "${T_TESTS:-90}" gpu_tests python3 -m pytest -m gpu -q -p no:cacheprovider tests ;;
-    prefill) step "${T_PREFILL:-190}" prefill python3 -m flashlax.bench --suite prefill --device gpu \
-               --impls flex_native jax_cudnn torch_sdpa --repeats 5 --output "$OUT/prefill.json" ;;
+    tests) step "${T_TESTS:-150}" gpu_tests python3 -m pytest -m gpu -q -p no:cacheprovider tests ;;
+    prefill|prefill4k|prefill16k)  # one process per shape, so a time-out keeps the shapes that finished
+      for shape in "2 4096" "1 16384"; do
+        set -- $shape
+        case $s in prefill4k) [ "$2" = 4096 ] || continue ;; prefill16k) [ "$2" = 16384 ] || continue ;; esac
+        step "${T_PREFILL:-300}" "prefill_$2" python3 -m flashlax.bench --suite prefill --device gpu --batch "$1" \
+          --lengths "$2" --impls ${PREFILL_IMPLS:-flex_native jax_cudnn torch_sdpa torch_flex jax_pallas_mha} \
+          --repeats 5 --output "$OUT/prefill_$2.json"
+      done ;;
+    dims) step "${T_DIMS:-150}" dims python3 -m flashlax.bench --suite prefill --device gpu --batch 2 --lengths 4096 \
+            --dims 64 256 --masks causal full --impls flex_native jax_cudnn torch_sdpa torch_flex --repeats 5 \
+            --output "$OUT/dims.json" ;;
+    quick) step "${T_QUICK:-120}" quick python3 -m flashlax.bench --quick --output "$OUT/quick.json" ;;
     decode) step "${T_DECODE:-45}" decode python3 -m flashlax.bench --suite decode --device gpu --repeats 5 \
               --output "$OUT/decode.json" ;;
     linear) step "${T_LINEAR:-30}" linear python3 -m flashlax.bench --suite linear --device gpu --lengths 2048 \

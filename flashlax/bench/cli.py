@@ -97,9 +97,10 @@ def suite_config(suite: str, args, gpu: bool) -> dict[str, Any]:
     cfg["min_sample_s"] = args.min_sample_s if args.min_sample_s is not None else (0.02 if gpu else 0.05)
     cfg["max_dense_gb"] = args.max_dense_gb
     cfg["ref_dtype"] = args.ref_dtype
-    if "torch_sdpa" in cfg["impls"] and harness.torch_module() is None:
-        cfg["impls"] = [i for i in cfg["impls"] if i != "torch_sdpa"]
-        print(f"[{suite}] torch is not installed: no torch_sdpa rows.", file=sys.stderr)
+    missing_torch = [i for i in cfg["impls"] if i in ("torch_sdpa", "torch_flex")]
+    if missing_torch and harness.torch_module() is None:
+        cfg["impls"] = [i for i in cfg["impls"] if i not in missing_torch]
+        print(f"[{suite}] torch is not installed: no {' / '.join(missing_torch)} rows.", file=sys.stderr)
     if "shapes" in cfg and cfg["shapes"] is not None:
         cfg["shapes"] = [list(s) for s in cfg["shapes"]]
     return cfg

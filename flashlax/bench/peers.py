@@ -31,7 +31,10 @@ from flashlax import dispatch
 from flashlax.bench import harness
 
 JAX_PEERS = ("jax_xla", "jax_cudnn")
-TORCH_PEERS = ("torch_sdpa",)
+TORCH_PEERS = ("torch_sdpa", "torch_flex")
+# jax's in-tree Pallas Triton flash attention (deprecated upstream; no GQA, so K/V are repeated in the timed
+# function, as its users must do). GPU only here: in the interpreter it would only time the interpreter.
+PALLAS_MHA = "jax_pallas_mha"
 
 
 @dataclasses.dataclass
@@ -86,18 +89,32 @@ def jax_sdpa(name: str, *, causal: bool = False, dense_mask: np.ndarray | None =
     return Runner(name, fn, prepare=_to_btnh, finish=_to_btnh)
 
 
+def jax_pallas_mha(*, causal: bool = False, scale: float | None = None) -> Runner:
+    """``jax.experimental.pallas.ops.gpu.attention.mha`` in BTNH with K/V repeated to Hq heads (it has no
+    GQA) inside the timed function; its default block sizes (128/128 forward, 32 backward)."""
+    if not harness.on_gpu():
+        return unavailable(PALLAS_MHA, RuntimeError(f"{PALLAS_MHA} requires a GPU backend."))
+    import warnings  # noqa: PLC0415
+
+    with warnings.catch_warnings():  # the module warns that it is deprecated in favour of tokamax
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from jax.experimental.pallas.ops.gpu import attention as pallas_attention  # noqa: PLC0415
+
+    def fn(query, key, value):
+        group = query.shape[2] // key.shape[2]
+        key, value = jnp.repeat(key, group, axis=2), jnp.repeat(value, group, axis=2)
+        sm_scale = query.shape[-1] ** -0.5 if scale is None else scale
+        return pallas_attention.mha(query, key, value, None, sm_scale=sm_scale, causal=causal)
+
+    return Runner(PALLAS_MHA, fn, prepare=_to_btnh, finish=_to_btnh)
+
+
 # ----------------------------------------------------------------------------------------------------------
-# torch peer
+# torch peers
 
 
-def torch_sdpa(*, causal: bool = False, dense_mask: np.ndarray | None = None, scale: float | None = None,
-               torch_device: str | None = None) -> Runner:
-    torch = harness.torch_module()
-    if torch is None:
-        return unavailable("torch_sdpa", RuntimeError("torch is not installed."))
-    device = torch_device or ("cuda" if harness.on_gpu() and torch.cuda.is_available() else "cpu")
-    mask = None if dense_mask is None else torch.from_numpy(np.array(dense_mask, dtype=bool)).to(device)
-    functional = torch.nn.functional
+def _torch_io(torch, device: str):
+    """(prepare, finish): jax array -> torch tensor on ``device``; torch tensor -> float numpy."""
 
     def prepare(x):
         array = np.array(jax.device_get(x))  # a writable copy: torch.from_numpy warns on read-only arrays
@@ -108,11 +125,69 @@ def torch_sdpa(*, causal: bool = False, dense_mask: np.ndarray | None = None, sc
     def finish(t):
         return np.asarray(t.detach().float().cpu().numpy())
 
+    return prepare, finish
+
+
+def _torch_device(torch, torch_device: str | None) -> str:
+    return torch_device or ("cuda" if harness.on_gpu() and torch.cuda.is_available() else "cpu")
+
+
+def torch_sdpa(*, causal: bool = False, dense_mask: np.ndarray | None = None, scale: float | None = None,
+               torch_device: str | None = None) -> Runner:
+    torch = harness.torch_module()
+    if torch is None:
+        return unavailable("torch_sdpa", RuntimeError("torch is not installed."))
+    device = _torch_device(torch, torch_device)
+    mask = None if dense_mask is None else torch.from_numpy(np.array(dense_mask, dtype=bool)).to(device)
+    functional = torch.nn.functional
+    prepare, finish = _torch_io(torch, device)
+
     def fn(query, key, value):
         return functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=causal,
                                                        scale=scale, enable_gqa=key.shape[1] != query.shape[1])
 
     return Runner("torch_sdpa", fn, kind="torch", prepare=prepare, finish=finish, extra={"torch_device": device})
+
+
+def torch_flex(*, batch: int, lq: int, lkv: int, mask: str = "full", window: int | None = None,
+               segment_ids: np.ndarray | None = None, scale: float | None = None,
+               torch_device: str | None = None) -> Runner:
+    """torch FlexAttention under ``torch.compile`` (its fast path) with a torch BlockMask built once, outside
+    timing, for ``mask`` in full / causal / sliding_window (``window`` keys back) / document (``segment_ids
+    [B, L]`` and causal). GPU only: on CPU torch compiles flex attention into a slow loop nobody times."""
+    torch = harness.torch_module()
+    if torch is None:
+        return unavailable("torch_flex", RuntimeError("torch is not installed."))
+    device = _torch_device(torch, torch_device)
+    if not device.startswith("cuda"):
+        return unavailable("torch_flex", RuntimeError("torch_flex requires a CUDA device."))
+    from torch.nn.attention import flex_attention as torch_flex_module  # noqa: PLC0415
+
+    if mask == "full":
+        mask_fn = None
+    elif mask == "causal":
+        def mask_fn(b, h, q_idx, kv_idx):
+            return q_idx >= kv_idx
+    elif mask == "sliding_window":
+        def mask_fn(b, h, q_idx, kv_idx):
+            return (q_idx >= kv_idx) & (q_idx - kv_idx <= window)
+    elif mask == "document":
+        segments = torch.from_numpy(np.asarray(segment_ids, dtype=np.int32)).to(device)
+
+        def mask_fn(b, h, q_idx, kv_idx):
+            return (q_idx >= kv_idx) & (segments[b, q_idx] == segments[b, kv_idx])
+    else:
+        return unavailable("torch_flex", ValueError(f"torch_flex: unknown mask {mask!r}"))
+    block_mask = None if mask_fn is None else torch_flex_module.create_block_mask(
+        mask_fn, batch if mask == "document" else None, None, lq, lkv, device=device)
+    compiled = torch.compile(torch_flex_module.flex_attention, dynamic=False)
+    prepare, finish = _torch_io(torch, device)
+
+    def fn(query, key, value):
+        return compiled(query, key, value, block_mask=block_mask, scale=scale,
+                        enable_gqa=key.shape[1] != query.shape[1])
+
+    return Runner("torch_flex", fn, kind="torch", prepare=prepare, finish=finish, extra={"torch_device": device})
 
 
 def torch_sync(torch_device: str):

@@ -4,7 +4,7 @@ reference) and measures every implementation x mode on them, one row per measure
 Defaults (``suite_defaults``): linear from seed 000 (B2 H8 T512/2048 dk=dv 64/128 float32 chunk 64), gqa
 from seed 004 (B1 L1024 Hq32 Hkv8 D64/128 float32 on CPU, bf16 on GPU), prefill the ANCHORS.md GPU shapes
 (Hq32 Hkv8 D128, B2 T4096 and B1 T16384, bf16, plus sliding-window-1024 and 8-document masks at T16384
-for flex_native), decode Lq 1/4/16 x KV 4096/16384/65536, B1 Hq32 Hkv8 D128.
+for flex_native and torch_flex; on GPU also torch_flex and jax_pallas_mha), decode Lq 1/4/16 x KV 4096/16384/65536, B1 Hq32 Hkv8 D128.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ SUITES = ("linear", "gqa", "decode", "prefill")
 MODES = ("fwd", "fwd_bwd")
 LINEAR_GRAD_NAMES = ("q", "k", "v", "log_alpha", "beta")
 ATTENTION_GRAD_NAMES = ("q", "k", "v")
-# The flex-only masks of the prefill suite (the peers get no rows for them).
+# The flex-only masks of the prefill suite (only flex_* and torch_flex get rows for them).
 SLIDING_WINDOW = 1024
 NUM_DOCUMENTS = 8
 
@@ -48,7 +48,8 @@ def suite_defaults(suite: str, gpu: bool) -> dict[str, Any]:
         return dict(shapes=[(2, 4096), (1, 16384)] if gpu else [(1, 2048), (1, 4096)], heads=[32], kv_heads=[8],
                     dims=[128], dtypes=["bfloat16"] if gpu else ["float32"], modes=list(MODES),
                     masks=["causal", "full"], flex_masks=["sliding_window", "document"],
-                    flex_masks_min_seq=16384 if gpu else 4096, impls=attention_impls, ref_max_seq=1024)
+                    flex_masks_min_seq=16384 if gpu else 4096, ref_max_seq=1024,
+                    impls=attention_impls + (["torch_flex", "jax_pallas_mha"] if gpu else []))
     if suite == "decode":
         return dict(batch=[1], heads=[32], kv_heads=[8], q_lens=[1, 4, 16], kv_lens=[4096, 16384, 65536],
                     dims=[128], dtypes=["bfloat16"] if gpu else ["float32"], modes=["fwd"],
@@ -375,6 +376,13 @@ def run_linear(cfg: dict, stream=sys.stderr) -> list[dict]:
     return rows
 
 
+def _document_ids(lq: int, batch: int) -> np.ndarray:
+    """[B, L] int32: NUM_DOCUMENTS equal documents per row."""
+    bounds = np.linspace(0, lq, NUM_DOCUMENTS + 1).astype(np.int32)[1:-1]
+    one_row = np.searchsorted(bounds, np.arange(lq), side="right").astype(np.int32)
+    return np.tile(one_row, (batch, 1))
+
+
 def _mask_mod(mask: str, lq: int, batch: int):
     """(mask_mod or None, causal flag for peers, extra ident fields)."""
     if mask == "full":
@@ -384,9 +392,7 @@ def _mask_mod(mask: str, lq: int, batch: int):
     if mask == "sliding_window":
         return masks.sliding_window(SLIDING_WINDOW), False, {"window": SLIDING_WINDOW}
     if mask == "document":
-        bounds = np.linspace(0, lq, NUM_DOCUMENTS + 1).astype(np.int32)[1:-1]
-        one_row = np.searchsorted(bounds, np.arange(lq), side="right").astype(np.int32)
-        segment_ids = jnp.asarray(np.tile(one_row, (batch, 1)))  # [B, L]: 8 equal documents per row
+        segment_ids = jnp.asarray(_document_ids(lq, batch))
         return masks.and_masks(masks.causal, masks.document(segment_ids, segment_ids)), False, \
             {"documents": NUM_DOCUMENTS}
     raise ValueError(f"unknown mask {mask!r}; valid: full, causal, sliding_window, document")
@@ -409,12 +415,17 @@ def _attention_runner(impl: str, *, mask_mod, causal: bool, batch: int, lq: int,
             except Exception:
                 block_mask = None
         return peers.flex_runner(impl, mask_mod=mask_mod, block_mask=block_mask, interpret=interpret)
+    if impl == "torch_flex":  # expresses every mask of the suite, block-sparse like flex_native
+        return peers.torch_flex(batch=batch, lq=lq, lkv=lkv, mask=mask, window=SLIDING_WINDOW,
+                                segment_ids=_document_ids(lq, batch) if mask == "document" else None)
     if mask not in ("full", "causal"):
         return None  # flex-only masks
     if impl in peers.JAX_PEERS:
         return peers.jax_sdpa(impl, causal=causal)
     if impl == "torch_sdpa":
         return peers.torch_sdpa(causal=causal)
+    if impl == peers.PALLAS_MHA:
+        return peers.jax_pallas_mha(causal=causal)
     return peers.unavailable(impl, ValueError(f"unknown impl {impl!r} for attention suites"))
 
 
