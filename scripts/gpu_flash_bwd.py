@@ -187,6 +187,44 @@ def time_shape(label, B, L, causal, args, sweep):
     return res
 
 
+D256_SWEEP = [  # D256 bf16: the shipped entry first
+    ("d256 32/64 64/32 w8 s2", C(32, 64, 64, 32, 8, 8, 2, 2)),
+    ("d256 64/64 64/64 w8 s2", C(64, 64, 64, 64, 8, 8, 2, 2)),
+    ("d256 64/32 32/64 w4 s2", C(64, 32, 32, 64, 4, 4, 2, 2)),
+    ("d256 32/32 32/32 w4 s2", C(32, 32, 32, 32, 4, 4, 2, 2)),
+    ("d256 64/64 64/64 w8 s1", C(64, 64, 64, 64, 8, 8, 1, 1)),
+    ("d256 32/64 64/32 w4 s2", C(32, 64, 64, 32, 4, 4, 2, 2)),
+    ("d256 16/64 64/16 w4 s2", C(16, 64, 64, 16, 4, 4, 2, 2)),
+]
+
+
+def time_bwd_only(label, B, L, D, causal, configs, transposed_too=False):
+    """Backward alone (on a 128x128 block mask) for each config; with transposed_too each config also with
+    the untransposed dK/dV tile (fab.TRANSPOSED_DKDV = False), for an A/B in one run."""
+    H, HKV = 32, 8
+    dt = jnp.bfloat16
+    q, k, v = rnd(1, (B, H, L, D), dt), rnd(2, (B, HKV, L, D), dt), rnd(3, (B, HKV, L, D), dt)
+    dout = rnd(4, (B, H, L, D), dt)
+    mm = masks.causal if causal else None
+    flops = 4 * B * H * L * L * D * (0.5 if causal else 1.0) * 2.5
+    out, lse = jax.jit(lambda q, k, v: flex_attention_pallas(q, k, v, mask_mod=mm, return_lse=True))(q, k, v)
+    bm = masks.create_block_mask(mm, None, None, L, L, block_q=128, block_kv=128)
+    variants = [(t, name, cfg) for name, cfg in configs for t in ((True, False) if transposed_too else (True,))]
+    for transposed, name, cfg in variants:
+        fab.TRANSPOSED_DKDV = transposed
+        f = jax.jit(lambda q, k, v, out, lse, dout, bm, cfg=cfg: fab.flash_attention_bwd(
+            q, k, v, out, lse, dout, block_mask=bm, score_mod=None, mask_mod=mm, captured=(),
+            scale=D ** -0.5, config=cfg)[:3])
+        impl = f"bwd {name}" + ("" if transposed else " untransposed dkv")
+        try:
+            ms, cs = bench(f, q, k, v, out, lse, dout, bm)
+            log(f"time {label:22s} {impl:44s} {ms:8.3f} ms  {flops / ms / 1e9:6.1f} TFLOP/s  (compile {cs:.1f}s)")
+            ROWS.append(dict(kind="time", shape=label, impl=impl, ms=ms, tflops=flops / ms / 1e9, compile_s=cs))
+        except Exception as ex:
+            log("  EXC", impl, type(ex).__name__, str(ex)[:300])
+    fab.TRANSPOSED_DKDV = True
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=None)
@@ -195,7 +233,20 @@ def main():
     p.add_argument("--sweep", type=int, default=len(SWEEP), help="configs of the sweep to time")
     p.add_argument("--skip-time", action="store_true")
     p.add_argument("--smoke", action="store_true", help="CPU: interpret=True, tiny shapes, no timing")
+    p.add_argument("--ab", action="store_true", help="only: transposed vs untransposed dK/dV tile (D128) and "
+                                                     "the D256 config sweep, backward alone")
     args = p.parse_args()
+    if args.ab:
+        time_bwd_only("B2 T4096 D128 causal", 2, 4096, 128, True, SWEEP[:1], transposed_too=True)
+        time_bwd_only("B2 T4096 D128 full", 2, 4096, 128, False, SWEEP[:1], transposed_too=True)
+        time_bwd_only("B1 T16384 D128 causal", 1, 16384, 128, True, SWEEP[:1], transposed_too=True)
+        time_bwd_only("B2 T4096 D64 causal", 2, 4096, 64, True, SWEEP[:1], transposed_too=True)
+        time_bwd_only("B2 T4096 D256 causal", 2, 4096, 256, True, D256_SWEEP, transposed_too=False)
+        time_bwd_only("B2 T4096 D256 causal", 2, 4096, 256, True, D256_SWEEP[:1], transposed_too=True)
+        if args.out:
+            with open(args.out, "w") as fh:
+                json.dump(dict(rows=ROWS, device=jax.devices()[0].device_kind, jax=jax.__version__), fh, indent=1)
+        return
     log("jax", jax.__version__, "devices", jax.devices(), "kind", jax.devices()[0].device_kind)
     quick = ("causal d128 g4", "prefix+alibi d64 g2", "relbias+causal d128 g4")
     fails = 0 if args.skip_check else check(args, names=quick, determinism=False)

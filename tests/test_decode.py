@@ -181,3 +181,19 @@ def test_traced_kv_lens_are_not_range_checked():
     q, k, v, _ = _inputs(9, 1, 2, 1, 1, 10, 16)
     out = jax.jit(lambda lens: flashlax.decode_attention(q, k, v, kv_lens=lens))(jnp.array([7], jnp.int32))
     assert np.all(np.isfinite(out))
+
+
+@pytest.mark.parametrize("num_splits,max_len", [(4, 96), (1, 40), (3, 90)])
+def test_one_step_per_split_in_place(num_splits, max_len):
+    """The GPU default (one loop step per split, the cache viewed in place as [B, Hkv, S, len / S, D]),
+    forced on any backend by block_kv = the split length: matches the reference, NaN past kv_lens stays
+    out, and kv_lens shorter than one split still work."""
+    q, k, v, lens = _inputs(11, 3, 8, 2, 4, max_len, 32)
+    lens = lens.at[0].set(4).at[1].set(max_len)
+    k, v = _poison(k, lens), _poison(v, lens)
+    split_len = -(-max_len // num_splits)
+    assert split_len * num_splits == max_len  # the in-place view applies
+    out, lse = jax.jit(lambda q, k, v, lens: decode_attention_xla(
+        q, k, v, kv_lens=lens, scale=32 ** -0.5, num_splits=num_splits, return_lse=True,
+        block_kv=split_len))(q, k, v, lens)
+    _check(out, lse, *_reference(q, k, v, lens), q.dtype)

@@ -7,6 +7,10 @@ softmax state; the parts are merged by log-sum-exp at the end. The ``G * Lq`` qu
 whole group. The loop runs only over chunks below ``max(kv_lens)``, a traced value, so changing kv_lens
 never recompiles and cache rows past kv_lens are never used (values there are zeroed before the P @ V
 product, so NaN garbage cannot leak).
+
+On GPU the default step covers a whole split (one loop step): when the splits tile the cache exactly the
+[B, Hkv, S, split_len, D] view is a reshape, so the cache is read in place by two batched matmuls instead
+of being copied chunk by chunk (H200, B1 Hq32 Hkv8 D128 Lq4 KV 65536: 0.555 ms with 1024-row steps).
 """
 
 from __future__ import annotations
@@ -47,7 +51,12 @@ def decode_attention_xla(q, k_cache, v_cache, *, kv_lens, scale, num_splits=None
     rows = groups * q_len
     splits = num_splits or choose_num_splits(batch, kv_heads, max_len)
     split_len = _cdiv(max_len, splits)
+    if block_kv is None and dispatch.backend_family(None) == "gpu":
+        block_kv = split_len
     chunk = min(block_kv or DEFAULT_BLOCK_KV, split_len)
+    # One step per split and splits that tile the cache: every chunk starts at its split's start, so the
+    # chunks are a reshape of the cache (no copies).
+    in_place = chunk == split_len and splits * split_len == max_len
     precision = precision_for(q.dtype)
     kv_lens = jnp.asarray(kv_lens, jnp.int32)
 
@@ -64,8 +73,12 @@ def decode_attention_xla(q, k_cache, v_cache, *, kv_lens, scale, num_splits=None
         m, l, acc = carry
         nominal = split_lo + t * chunk  # [S]: first row this step owns in each split
         starts = jnp.clip(nominal, 0, max_len - chunk)  # a chunk never runs past the cache
-        k_t = jnp.stack([lax.dynamic_slice_in_dim(k_cache, starts[s], chunk, axis=2) for s in range(splits)], 2)
-        v_t = jnp.stack([lax.dynamic_slice_in_dim(v_cache, starts[s], chunk, axis=2) for s in range(splits)], 2)
+        if in_place:  # t == 0 is the only step, and starts == split_lo
+            k_t = k_cache.reshape(batch, kv_heads, splits, chunk, head_dim)
+            v_t = v_cache.reshape(batch, kv_heads, splits, chunk, dv)
+        else:
+            k_t = jnp.stack([lax.dynamic_slice_in_dim(k_cache, starts[s], chunk, axis=2) for s in range(splits)], 2)
+            v_t = jnp.stack([lax.dynamic_slice_in_dim(v_cache, starts[s], chunk, axis=2) for s in range(splits)], 2)
         pos = starts[:, None] + jnp.arange(chunk, dtype=i32)  # [S, C]
         owned = (pos >= nominal[:, None]) & (pos < split_hi[:, None])
         in_cache = pos[None] < kv_lens[:, None, None]  # [B, S, C]

@@ -230,6 +230,39 @@ def _ds_tile(q, k, v, do, lse, delta, *, b, h, q_start, kv_start, lq, lkv, scale
     return p, ds * scale
 
 
+# The dK/dV pass computes P^T and dS^T directly when there is no score_mod (see _pt_dst_tile); False
+# forces the untransposed tile of the dQ pass (kept for A/B timing in scripts/gpu_flash_bwd.py).
+TRANSPOSED_DKDV = True
+
+
+def _pt_dst_tile(q, k, v, do, lse, delta, *, b, h, q_start, kv_start, lq, lkv, scale, partial, mask_mod,
+                 captured, q_exact, kv_exact, interpret):
+    """(P^T, dS^T) [bkv, bq] float32 of one tile, for the dK/dV pass without a score_mod.
+
+    Computed transposed (K Q^T, V dO^T) so both land in the accumulator layout of the next matmuls
+    (dV += P^T dO, dK += dS^T Q): the transposed operands are Q and dO, which sit in shared memory and
+    transpose for free, instead of P and dS, which would take a round trip through shared memory each.
+    A mask_mod is evaluated in the [bq, bkv] convention of the mods and its tile transposed.
+    """
+    bq, bkv = q.shape[0], k.shape[0]
+    valid = None
+    if not q_exact:
+        valid = (q_start + lax.broadcasted_iota(jnp.int32, (1, bq), 1)) < lq
+    if not kv_exact:
+        valid = _and(valid, (kv_start + lax.broadcasted_iota(jnp.int32, (bkv, 1), 0)) < lkv)
+    if partial and mask_mod is not None:
+        q_idx = q_start + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
+        kv_idx = kv_start + lax.broadcasted_iota(jnp.int32, (1, bkv), 1)
+        valid = _and(valid, _call_mod(mask_mod, captured, b, h, q_idx, kv_idx).T)
+    lse_safe = jnp.where(lse == -jnp.inf, jnp.inf, lse)[None, :]
+    prec = dot_precision(q.dtype)
+    pt = exp2(dot_nt(k, q, prec) * (scale * LOG2E) - lse_safe * LOG2E, interpret)
+    if valid is not None:
+        pt = jnp.where(jnp.broadcast_to(valid, (bkv, bq)), pt, 0.0)
+    dpt = dot_nt(v, do, prec)
+    return pt, pt * (dpt - delta[None, :]) * scale
+
+
 def _and(a, b):
     return b if a is None else a & b
 
@@ -323,11 +356,19 @@ def _dkdv_kernel(*refs, n_cap, groups, bq, bkv, mask_bq, mask_bkv, lq, lkv, d, d
                 do = _load_rows(do_ref, q_start, bq, lq, dvp, dv, q_exact, lead=g)
                 lse = _load_vec(lse_ref, q_start, bq, lq, q_exact, lead=g)
                 delta = _load_vec(delta_ref, q_start, bq, lq, q_exact, lead=g)
+                prec = dot_precision(q.dtype)
+                if score_mod is None and TRANSPOSED_DKDV:
+                    pt, dst = _pt_dst_tile(q, k, v, do, lse, delta, b=b, h=h, q_start=q_start,
+                                           kv_start=kv_start, lq=lq, lkv=lkv, scale=scale, partial=partial,
+                                           mask_mod=mask_mod, captured=captured, q_exact=q_exact,
+                                           kv_exact=kv_exact, interpret=interpret)
+                    dv_acc = dv_acc + dot_nn(pt.astype(do.dtype), do, prec)
+                    dk_acc = dk_acc + dot_nn(dst.astype(q.dtype), q, prec)
+                    return dk_acc, dv_acc
                 p, ds = _ds_tile(q, k, v, do, lse, delta, b=b, h=h, q_start=q_start, kv_start=kv_start,
                                  lq=lq, lkv=lkv, scale=scale, partial=partial, score_mod=score_mod,
                                  mask_mod=mask_mod, captured=captured, q_exact=q_exact, kv_exact=kv_exact,
                                  interpret=interpret)
-                prec = dot_precision(q.dtype)
                 dv_acc = dv_acc + dot_tn(p.astype(do.dtype), do, prec)
                 dk_acc = dk_acc + dot_tn(ds.astype(q.dtype), q, prec)
                 return dk_acc, dv_acc
