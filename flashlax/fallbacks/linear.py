@@ -140,6 +140,23 @@ def _unit_lower_inverse_bwd(x, dx):
 _unit_lower_inverse.defvjp(_unit_lower_inverse_fwd, _unit_lower_inverse_bwd)
 
 
+def _decays(log_alpha):
+    """(seg, decay, gamma, e_last) of a chunk: seg[t, j] = sum_{j < i <= t} log_alpha_i (0 for t <= j),
+    decay = exp(seg) on and below the diagonal (0 above), gamma_t = exp(sum_{i <= t} log_alpha_i) and
+    e_last_j = exp(seg[C-1, j]) (token j decayed to the chunk end)."""
+    size = log_alpha.shape[-1]
+    idx = jnp.arange(size)
+    incl = idx[:, None] >= idx[None, :]          # t >= j
+    strict = idx[:, None] > idx[None, :]         # t > j
+    # A masked matmul, so each entry sums only its own segment (no cancellation), and is <= 0 because
+    # log_alpha <= 0.
+    seg = _mm("ti,...ij->...tj", incl.astype(log_alpha.dtype),
+              jnp.where(strict, log_alpha[..., :, None], 0.0))
+    decay = jnp.where(incl, jnp.exp(seg), 0.0)
+    gamma = jnp.exp(log_alpha[..., :1] + seg[..., :, 0])
+    return seg, decay, gamma, jnp.exp(seg[..., -1, :])
+
+
 def _intra_chunk(q, k, v, log_alpha, beta, scale: float):
     """State-independent work of every chunk at once.
 
@@ -148,27 +165,21 @@ def _intra_chunk(q, k, v, log_alpha, beta, scale: float):
     chunk decay, or [..., N, dk, dk] with beta) and h [..., N, dk, dv], so that per chunk
     ``O = o_intra + q_eff @ S0`` and ``S_C = transition @ S0 + h``.
     """
-    size = log_alpha.shape[-1]
-    idx = jnp.arange(size)
-    incl = idx[:, None] >= idx[None, :]          # t >= j
-    strict = idx[:, None] > idx[None, :]         # t > j
-    # seg[t, j] = sum_{j < i <= t} log_alpha_i  (0 for t <= j): a masked matmul, so each entry sums
-    # only its own segment (no cancellation), and is <= 0 because log_alpha <= 0.
-    seg = _mm("ti,...ij->...tj", incl.astype(log_alpha.dtype),
-              jnp.where(strict, log_alpha[..., :, None], 0.0))
-    decay = jnp.where(incl, jnp.exp(seg), 0.0)   # G[t, j] = exp(seg) on and below the diagonal
-    prefix = log_alpha[..., :1] + seg[..., :, 0]  # sum_{i <= t} log_alpha_i
-    gamma = jnp.exp(prefix)                      # decay from the chunk start through token t
-    k_dec = k * jnp.exp(seg[..., -1, :])[..., None]   # k_j decayed to the chunk end
-    chunk_decay = gamma[..., -1]
-
     if beta is None:
+        _, decay, gamma, e_last = _decays(log_alpha)
+        k_dec = k * e_last[..., None]
         scores = _mm("...tk,...jk->...tj", q, k) * decay
         o_intra = scale * _mm("...tj,...jv->...tv", scores, v)
         q_eff = (scale * gamma)[..., None] * q
         h = _mm("...jk,...jv->...kv", k_dec, v)
-        return o_intra, q_eff, (chunk_decay, h)
+        return o_intra, q_eff, (gamma[..., -1], h)
+    return _intra_chunk_delta(q, k, v, log_alpha, beta, scale)
 
+
+def _intra_chunk_delta_fwd(q, k, v, log_alpha, beta, scale):
+    _, decay, gamma, e_last = _decays(log_alpha)
+    size = log_alpha.shape[-1]
+    strict = jnp.arange(size)[:, None] > jnp.arange(size)[None, :]
     qk = _mm("...tk,...jk->...tj", q, k)
     kk = _mm("...tk,...jk->...tj", k, k)
     scores = qk * decay
@@ -178,7 +189,61 @@ def _intra_chunk(q, k, v, log_alpha, beta, scale: float):
     w = _mm("...tj,...jx->...tx", t_inv, (beta * gamma)[..., None] * k)
     o_intra = scale * _mm("...tj,...jx->...tx", scores, u)
     q_eff = scale * (gamma[..., None] * q - _mm("...tj,...jx->...tx", scores, w))
-    return o_intra, q_eff, (chunk_decay, u, w, k_dec)
+    k_dec = k * e_last[..., None]
+    out = (o_intra, q_eff, (gamma[..., -1], u, w, k_dec))
+    return out, (q, k, v, beta, decay, gamma, e_last, qk, kk, scores, t_inv, u, w)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _intra_chunk_delta(q, k, v, log_alpha, beta, scale):
+    """The delta-rule precompute of every chunk (see the module docstring); a hand-written vjp."""
+    return _intra_chunk_delta_fwd(q, k, v, log_alpha, beta, scale)[0]
+
+
+def _intra_chunk_delta_bwd(scale, res, cts):
+    """Reverse mode of :func:`_intra_chunk_delta_fwd`, written out so each product is one batched matmul
+    and no intermediate is differentiated twice (autodiff of the forward spent 3x the forward's time
+    here, much of it in transposes and copies between its matmuls).
+
+    log_alpha enters through P_t = sum_{i <= t} log_alpha_i only (seg[t, j] = P_t - P_j,
+    gamma_t = exp(P_t)), so its gradient is the reverse cumulative sum of dP."""
+    q, k, v, beta, decay, gamma, e_last, qk, kk, scores, t_inv, u, w = res
+    d_o, d_qeff, (d_cdecay, d_u, d_w, d_kdec) = cts
+    size = beta.shape[-1]
+    strict = jnp.arange(size)[:, None] > jnp.arange(size)[None, :]
+    # o_intra = scale S U, q_eff = scale (g Q - S W)
+    d_scores = scale * (_mm("...tv,...jv->...tj", d_o, u) - _mm("...tk,...jk->...tj", d_qeff, w))
+    d_u = d_u + scale * _mm("...tj,...tv->...jv", scores, d_o)
+    d_w = d_w - scale * _mm("...tj,...tk->...jk", scores, d_qeff)
+    d_gamma = scale * jnp.sum(q * d_qeff, axis=-1)
+    d_qk = d_scores * decay
+    dq = scale * gamma[..., None] * d_qeff + _mm("...tj,...jk->...tk", d_qk, k)
+    # U = T (b V), W = T (b g K), T = (I + A)^-1  =>  dA = -T^T dT T^T (strictly lower part)
+    bv = beta[..., None] * v
+    bgk = (beta * gamma)[..., None] * k
+    d_t = _mm("...tv,...jv->...tj", d_u, bv) + _mm("...tk,...jk->...tj", d_w, bgk)
+    d_bv = _mm("...jt,...jv->...tv", t_inv, d_u)
+    d_bgk = _mm("...jt,...jk->...tk", t_inv, d_w)
+    d_a = jnp.where(strict, -_mm("...ji,...jk,...lk->...il", t_inv, d_t, t_inv), 0.0)
+    # A = strict(b[t] KK[t, j] G[t, j])
+    d_kk = d_a * beta[..., :, None] * decay
+    k_bgk = jnp.sum(k * d_bgk, axis=-1)
+    d_beta = jnp.sum(v * d_bv, axis=-1) + gamma * k_bgk + jnp.sum(d_a * kk * decay, axis=-1)
+    d_gamma = d_gamma + beta * k_bgk
+    dv = beta[..., None] * d_bv
+    dk = ((beta * gamma)[..., None] * d_bgk + e_last[..., None] * d_kdec
+          + _mm("...tj,...tk->...jk", d_qk, q)
+          + _mm("...tj,...jk->...tk", d_kk + jnp.swapaxes(d_kk, -1, -2), k))
+    # Through the decays: d seg on and below the diagonal, then dP_t = sum_j dseg[t, j] - sum_t' dseg[t', t]
+    d_seg = (d_scores * qk + d_a * beta[..., :, None] * kk) * decay
+    d_seg = d_seg.at[..., -1, :].add(jnp.sum(k * d_kdec, axis=-1) * e_last)
+    d_gamma = d_gamma.at[..., -1].add(d_cdecay)
+    d_prefix = jnp.sum(d_seg, axis=-1) - jnp.sum(d_seg, axis=-2) + d_gamma * gamma
+    d_log_alpha = jnp.flip(jnp.cumsum(jnp.flip(d_prefix, -1), axis=-1), -1)
+    return dq, dk, dv, d_log_alpha, d_beta
+
+
+_intra_chunk_delta.defvjp(_intra_chunk_delta_fwd, _intra_chunk_delta_bwd)
 
 
 def _segments(seq_len: int, chunk_size: int) -> list[tuple[int, int, int]]:
