@@ -336,6 +336,17 @@ def test_bwd_gpu(dtype, mask):
     check_case(case, config=fab.default_bwd_config(128, 128, case.dtype), interpret=False)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("mask", ["causal", "document"])
+def test_bwd_gpu_transposed_dkdv(d, mask):
+    """No score_mod: the dK/dV pass takes the transposed tile (mask_mod on partial tiles), with each head
+    dim's shipped config; odd lengths so edge tiles are masked too."""
+    case = Case(bsz=1, hq=8, hkv=2, lq=1000, lkv=1000, d=d, mask=mask, mod=None, block_q=128, block_kv=128,
+                dtype="bfloat16")
+    check_case(case, config=fab.default_bwd_config(d, d, case.dtype), interpret=False)
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_kernels_lower_to_triton(dtype):
     """The three kernels go through the Pallas Triton lowering (for an abstract H200, no GPU needed):
