@@ -309,6 +309,15 @@ def test_shipped_configs_fit_shared_memory(family):
         assert cfg.smem_bytes(128, 128, 2) <= 101376
 
 
+@pytest.mark.parametrize("d", [128, 256])
+def test_shipped_h200_bf16_tiles_interpreted(d):
+    """The H200 bf16 backward tiles (64/64, and 64/32 32/64 at D256), interpreted at an odd length with a
+    causal mask: the tile shapes the GPU runs, checked against the reference here too."""
+    config = fab.default_bwd_config(d, d, "bfloat16", device_kind="NVIDIA H200")
+    check_case(Case(bsz=1, hq=4, hkv=2, lq=150, lkv=150, d=d, mask="causal", block_q=64, block_kv=64,
+                    dtype="float32"), config=config)
+
+
 def test_config_validation():
     with pytest.raises(ValueError, match="block_q_dkv"):
         fab.BwdConfig(block_q_dkv=48)
