@@ -95,6 +95,20 @@ def check_against_reference(inputs, impls, tol, seed=0, chunk_size=64, scale=Non
             assert g.dtype == inputs[name].dtype, (impl, name, g.dtype)
             errs["d" + name] = err_vs_reference(g, ref_grads[name])
         bad = {name: err for name, err in errs.items() if not err <= tol}
+        if set(bad) & {"o", "final_state"}:
+            # A forward value can be a sum that cancels (T = 1: o = scale (q . k) v with q . k near 0), where
+            # float32 is only accurate relative to the size of its terms (found: q . k = 2.6e-5 with
+            # |q| . |k| = 0.38). Measure those against max(|ref|, 1e-2 |ref on |inputs||): the second is
+            # the size of the terms (no cancellation), so a wrong formula (error O(1)) still fails.
+            abs_o, abs_state, _ = reference({n: None if x is None else jnp.abs(x) for n, x in inputs.items()},
+                                            cot, scale)
+            for name, got, ref, size in (("o", o, ref_o, abs_o), ("final_state", state, ref_state, abs_state)):
+                if name in bad:
+                    floor = 1e-2 * np.linalg.norm(np.asarray(size, np.float64))
+                    denom = max(np.linalg.norm(np.asarray(ref, np.float64)), floor)
+                    err = np.linalg.norm(np.asarray(got, np.float64) - np.asarray(ref, np.float64)) / denom
+                    if err <= tol:
+                        del bad[name]
         assert not bad, f"{impl}: relative errors above {tol}: {bad}"
 
 
@@ -129,6 +143,14 @@ def test_mixed_strong_and_weak_decay_keeps_float32_accuracy():
     reset[..., [5, 40, 55, 56, 70]] = True
     inputs["log_alpha"] = jnp.where(reset, -1e4, inputs["log_alpha"])
     check_against_reference(inputs, IMPLS, TOLERANCES["float32"], seed=3, chunk_size=32)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_strong_decay_log_alpha_gradient(seed):
+    """log_alpha ~ U[-100, 0]: in-chunk decays near 0 next to O(1) diagonal terms. A log_alpha gradient
+    formed as differences of row and column sums lost 1e-2..4e-2 relative here (hypothesis found it)."""
+    inputs = make_inputs(seed, 1, 1, 15, 16, 4, la_lo=-100.0)
+    check_against_reference(inputs, IMPLS, TOLERANCES["float32"], seed=seed, chunk_size=16)
 
 
 def test_scale_and_dk_ne_dv():

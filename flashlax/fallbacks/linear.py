@@ -205,8 +205,8 @@ def _intra_chunk_delta_bwd(scale, res, cts):
     and no intermediate is differentiated twice (autodiff of the forward spent 3x the forward's time
     here, much of it in transposes and copies between its matmuls).
 
-    log_alpha enters through P_t = sum_{i <= t} log_alpha_i only (seg[t, j] = P_t - P_j,
-    gamma_t = exp(P_t)), so its gradient is the reverse cumulative sum of dP."""
+    log_alpha enters through seg (segment sums) and gamma_t = exp(sum_{i <= t} log_alpha_i); both
+    gradients are sums over the same segments, so no cancellation is introduced."""
     q, k, v, beta, decay, gamma, e_last, qk, kk, scores, t_inv, u, w = res
     d_o, d_qeff, (d_cdecay, d_u, d_w, d_kdec) = cts
     size = beta.shape[-1]
@@ -238,8 +238,12 @@ def _intra_chunk_delta_bwd(scale, res, cts):
     d_seg = (d_scores * qk + d_a * beta[..., :, None] * kk) * decay
     d_seg = d_seg.at[..., -1, :].add(jnp.sum(k * d_kdec, axis=-1) * e_last)
     d_gamma = d_gamma.at[..., -1].add(d_cdecay)
-    d_prefix = jnp.sum(d_seg, axis=-1) - jnp.sum(d_seg, axis=-2) + d_gamma * gamma
-    d_log_alpha = jnp.flip(jnp.cumsum(jnp.flip(d_prefix, -1), axis=-1), -1)
+    # seg[t, j] sums log_alpha_i over j < i <= t, so d log_alpha_i = sum_{t >= i, j < i} dseg[t, j]: a suffix
+    # sum over t, then a masked sum over j. (Not as rowsum - colsum of dseg: the diagonal and the terms
+    # with j >= i would cancel there, and at strong decay they dwarf the result.)
+    suffix = jnp.flip(jnp.cumsum(jnp.flip(d_seg, -2), axis=-2), -2)
+    d_log_alpha = jnp.sum(jnp.where(strict, suffix, 0.0), axis=-1)
+    d_log_alpha = d_log_alpha + jnp.flip(jnp.cumsum(jnp.flip(d_gamma * gamma, -1), axis=-1), -1)
     return dq, dk, dv, d_log_alpha, d_beta
 
 
