@@ -124,12 +124,43 @@ def bench(f, *a, target_ms=80.0, reps=7):
     return _bench(f, *a, target_ms=target_ms, reps=reps, min_iters=2)
 
 
+def _inputs(B, H, HKV, L, D):
+    """q, k, v, dout: fresh random bf16, heads-first."""
+    dt = jnp.bfloat16
+    return rnd(1, (B, H, L, D), dt), rnd(2, (B, HKV, L, D), dt), rnd(3, (B, HKV, L, D), dt), rnd(4, (B, H, L, D), dt)
+
+
+def _bwd_sweep(q, k, v, dout, mm, configs, row, *, interpret=False, budget=None, transposed_too=False):
+    """Times the backward alone on a 128x128 block mask for each (name, config), reporting through
+    ``row(impl, ms, compile_s)``; transposed_too: each config also with the untransposed dK/dV tile
+    (fab.TRANSPOSED_DKDV = False), for an A/B in one run. budget: skip configs once T0 + budget passed."""
+    L, D = q.shape[2], q.shape[3]
+    out, lse = jax.jit(lambda q, k, v: flex_attention_pallas(q, k, v, mask_mod=mm, return_lse=True,
+                                                            interpret=interpret))(q, k, v)
+    bm = masks.create_block_mask(mm, None, None, L, L, block_q=128, block_kv=128)
+    for name, cfg in configs:
+        for transposed in (True, False) if transposed_too else (True,):
+            impl = f"bwd {name}" + ("" if transposed else " untransposed dkv")
+            if budget is not None and time.perf_counter() - T0 > budget:
+                log("  budget reached: skipping", impl)
+                continue
+            fab.TRANSPOSED_DKDV = transposed
+            f = jax.jit(lambda q, k, v, out, lse, dout, bm, cfg=cfg: fab.flash_attention_bwd(
+                q, k, v, out, lse, dout, block_mask=bm, score_mod=None, mask_mod=mm, captured=(),
+                scale=D ** -0.5, config=cfg, interpret=interpret)[:3])
+            try:
+                ms, cs = bench(f, q, k, v, out, lse, dout, bm)
+                row(impl, ms, cs)
+            except Exception as ex:
+                log("  EXC", impl, type(ex).__name__, str(ex)[:400])
+            finally:
+                fab.TRANSPOSED_DKDV = True
+
+
 def time_shape(label, B, L, causal, args, sweep):
     H, HKV, D = (32, 8, 128) if not args.smoke else (4, 2, 32)
     it = args.smoke
-    dt = jnp.bfloat16
-    q, k, v = rnd(1, (B, H, L, D), dt), rnd(2, (B, HKV, L, D), dt), rnd(3, (B, HKV, L, D), dt)
-    dout = rnd(4, (B, H, L, D), dt)
+    q, k, v, dout = _inputs(B, H, HKV, L, D)
     mm = masks.causal if causal else None
     flops = 4 * B * H * L * L * D * (0.5 if causal else 1.0)
     res = {}
@@ -154,21 +185,8 @@ def time_shape(label, B, L, causal, args, sweep):
         except Exception as ex:
             log("  EXC", name, type(ex).__name__, str(ex)[:400])
     # backward alone on 128x128 tiles, sweep of configs
-    out, lse = jax.jit(lambda q, k, v: flex_attention_pallas(q, k, v, mask_mod=mm, return_lse=True,
-                                                            interpret=it))(q, k, v)
-    bm = masks.create_block_mask(mm, None, None, L, L, block_q=128, block_kv=128)
-    for name, cfg in sweep:
-        if time.perf_counter() - T0 > args.budget:
-            log("  budget reached: skipping", name)
-            continue
-        f = jax.jit(lambda q, k, v, out, lse, dout, bm, cfg=cfg: fab.flash_attention_bwd(
-            q, k, v, out, lse, dout, block_mask=bm, score_mod=None, mask_mod=mm, captured=(),
-            scale=D ** -0.5, config=cfg, interpret=it)[:3])
-        try:
-            ms, cs = bench(f, q, k, v, out, lse, dout, bm)
-            row("bwd " + name, ms, cs, 2.5)
-        except Exception as ex:
-            log("  EXC bwd", name, type(ex).__name__, str(ex)[:400])
+    _bwd_sweep(q, k, v, dout, mm, sweep, lambda impl, ms, cs: row(impl, ms, cs, 2.5), interpret=it,
+               budget=args.budget)
     # jax cuDNN fwd+bwd (BTNH), the in-run peer
     try:
         t = lambda x: jnp.swapaxes(x, 1, 2)
@@ -198,31 +216,16 @@ D256_SWEEP = [  # D256 bf16: the shipped entry first
 ]
 
 
-def time_bwd_only(label, B, L, D, causal, configs, transposed_too=False):
-    """Backward alone (on a 128x128 block mask) for each config; with transposed_too each config also with
-    the untransposed dK/dV tile (fab.TRANSPOSED_DKDV = False), for an A/B in one run."""
-    H, HKV = 32, 8
-    dt = jnp.bfloat16
-    q, k, v = rnd(1, (B, H, L, D), dt), rnd(2, (B, HKV, L, D), dt), rnd(3, (B, HKV, L, D), dt)
-    dout = rnd(4, (B, H, L, D), dt)
+def time_bwd_only(label, B, L, D, causal, configs, transposed_too=False, interpret=False):
+    """Backward alone (Hq32 Hkv8 bf16) for each config, optionally A/B against the untransposed dK/dV tile."""
     mm = masks.causal if causal else None
-    flops = 4 * B * H * L * L * D * (0.5 if causal else 1.0) * 2.5
-    out, lse = jax.jit(lambda q, k, v: flex_attention_pallas(q, k, v, mask_mod=mm, return_lse=True))(q, k, v)
-    bm = masks.create_block_mask(mm, None, None, L, L, block_q=128, block_kv=128)
-    variants = [(t, name, cfg) for name, cfg in configs for t in ((True, False) if transposed_too else (True,))]
-    for transposed, name, cfg in variants:
-        fab.TRANSPOSED_DKDV = transposed
-        f = jax.jit(lambda q, k, v, out, lse, dout, bm, cfg=cfg: fab.flash_attention_bwd(
-            q, k, v, out, lse, dout, block_mask=bm, score_mod=None, mask_mod=mm, captured=(),
-            scale=D ** -0.5, config=cfg)[:3])
-        impl = f"bwd {name}" + ("" if transposed else " untransposed dkv")
-        try:
-            ms, cs = bench(f, q, k, v, out, lse, dout, bm)
-            log(f"time {label:22s} {impl:44s} {ms:8.3f} ms  {flops / ms / 1e9:6.1f} TFLOP/s  (compile {cs:.1f}s)")
-            ROWS.append(dict(kind="time", shape=label, impl=impl, ms=ms, tflops=flops / ms / 1e9, compile_s=cs))
-        except Exception as ex:
-            log("  EXC", impl, type(ex).__name__, str(ex)[:300])
-    fab.TRANSPOSED_DKDV = True
+    flops = 4 * B * 32 * L * L * D * (0.5 if causal else 1.0) * 2.5
+
+    def row(impl, ms, cs):
+        log(f"time {label:22s} {impl:44s} {ms:8.3f} ms  {flops / ms / 1e9:6.1f} TFLOP/s  (compile {cs:.1f}s)")
+        ROWS.append(dict(kind="time", shape=label, impl=impl, ms=ms, tflops=flops / ms / 1e9, compile_s=cs))
+
+    _bwd_sweep(*_inputs(B, 32, 8, L, D), mm, configs, row, interpret=interpret, transposed_too=transposed_too)
 
 
 def main():
@@ -253,6 +256,7 @@ def main():
     results = {}
     if args.smoke and not args.skip_time:
         results["B2 T4096 causal"] = time_shape("B2 T4096 causal", 1, 256, True, args, SWEEP[:1])
+        time_bwd_only("ab smoke", 1, 64, 32, True, SWEEP[:1], transposed_too=True, interpret=True)
     if not args.skip_time and not args.smoke:
         shapes = [("B2 T4096 causal", 2, 4096, True, SWEEP[:args.sweep]),
                   ("B2 T4096 full", 2, 4096, False, SWEEP[:max(1, args.sweep // 3)]),
