@@ -238,7 +238,15 @@ def main():
     p.add_argument("--smoke", action="store_true", help="CPU: interpret=True, tiny shapes, no timing")
     p.add_argument("--ab", action="store_true", help="only: transposed vs untransposed dK/dV tile (D128) and "
                                                      "the D256 config sweep, backward alone")
+    p.add_argument("--full-sweep", action="store_true", help="only: the D128 config sweep on the full mask "
+                                                             "(B2 T4096), backward alone")
     args = p.parse_args()
+    if args.full_sweep:
+        time_bwd_only("B2 T4096 D128 full", 2, 4096, 128, False, SWEEP)
+        if args.out:
+            with open(args.out, "w") as fh:
+                json.dump(dict(rows=ROWS, device=jax.devices()[0].device_kind, jax=jax.__version__), fh, indent=1)
+        return
     if args.ab:
         time_bwd_only("B2 T4096 D128 causal", 2, 4096, 128, True, SWEEP[:1], transposed_too=True)
         time_bwd_only("B2 T4096 D128 full", 2, 4096, 128, False, SWEEP[:1], transposed_too=True)

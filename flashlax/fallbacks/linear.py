@@ -218,13 +218,12 @@ def _intra_chunk_delta_bwd(scale, res, cts):
     d_gamma = scale * jnp.sum(q * d_qeff, axis=-1)
     d_qk = d_scores * decay
     dq = scale * gamma[..., None] * d_qeff + _mm("...tj,...jk->...tk", d_qk, k)
-    # U = T (b V), W = T (b g K), T = (I + A)^-1  =>  dA = -T^T dT T^T (strictly lower part)
-    bv = beta[..., None] * v
-    bgk = (beta * gamma)[..., None] * k
-    d_t = _mm("...tv,...jv->...tj", d_u, bv) + _mm("...tk,...jk->...tj", d_w, bgk)
+    # U = T (b V), W = T (b g K), T = (I + A)^-1
     d_bv = _mm("...jt,...jv->...tv", t_inv, d_u)
     d_bgk = _mm("...jt,...jk->...tk", t_inv, d_w)
-    d_a = jnp.where(strict, -_mm("...ji,...jk,...lk->...il", t_inv, d_t, t_inv), 0.0)
+    # dT = dU (bV)^T + dW (bgK)^T and dA = -T^T dT T^T; with T^T dU = dbV, T bV = U (and the same for W):
+    # dA = -(dbV U^T + dbgK W^T), two [C, C] products instead of four (no [C, C] x [C, C] ones).
+    d_a = jnp.where(strict, -(_mm("...tv,...jv->...tj", d_bv, u) + _mm("...tk,...jk->...tj", d_bgk, w)), 0.0)
     # A = strict(b[t] KK[t, j] G[t, j])
     d_kk = d_a * beta[..., :, None] * decay
     k_bgk = jnp.sum(k * d_bgk, axis=-1)
