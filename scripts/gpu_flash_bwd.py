@@ -105,7 +105,8 @@ def check(args, names=None, dtypes=(jnp.bfloat16, jnp.float32), determinism=True
 ALL_CASES = ("causal d128 g4", "full d64 g4 Lq!=Lkv", "window d96 g3", "doc d192/128 g1", "prefix+alibi d64 g2",
              "relbias+causal d128 g4", "softcap d128 g8", "masked rows d64")
 C = fab.BwdConfig
-SWEEP = [  # first: the shipped H200 bf16 D128 default; then one pass changed at a time (dK/dV or dQ), so the
+SWEEP = [  # first: the session-2 H200 bf16 D128 default (session 3 ships dK/dV 64/128 w8 s3 + dQ 128/128 w8,
+    # see --ab-config); then one pass changed at a time (dK/dV or dQ), so the
     # difference to the first row is that pass's (run 2 in docs/PERF_NOTES.md)
     ("64/64 64/64 w4 s2", C(64, 64, 64, 64, 4, 4, 2, 2)),
     ("dkv 64/128 w8 s2", C(64, 128, 64, 64, 8, 4, 2, 2)),
@@ -240,9 +241,24 @@ def main():
                                                      "the D256 config sweep, backward alone")
     p.add_argument("--full-sweep", action="store_true", help="only: the D128 config sweep on the full mask "
                                                              "(B2 T4096), backward alone")
+    p.add_argument("--ab-config", action="store_true", help="only: shipped vs 64/128 w8 s3 + dq 128/128 w8, "
+                                                            "B2 T4096 causal and full, twice, backward alone")
+    p.add_argument("--long-sweep", action="store_true", help="only: the D128 config sweep at B1 T16384, full "
+                                                             "and causal, backward alone")
     args = p.parse_args()
-    if args.full_sweep:
-        time_bwd_only("B2 T4096 D128 full", 2, 4096, 128, False, SWEEP)
+    if args.full_sweep or args.long_sweep or args.ab_config:
+        if args.ab_config:
+            pair = [SWEEP[0], ("dkv 64/128 w8 s3 dq 128/128 w8", C(64, 128, 128, 128, 8, 8, 3, 2)),
+                    SWEEP[4], SWEEP[7]]
+            for _ in range(2):
+                time_bwd_only("B2 T4096 D128 causal", 2, 4096, 128, True, pair)
+                time_bwd_only("B2 T4096 D128 full", 2, 4096, 128, False, pair)
+        elif args.full_sweep:
+            time_bwd_only("B2 T4096 D128 full", 2, 4096, 128, False, SWEEP)
+        else:
+            long = SWEEP + [("dkv 64/128 w8 s3 dq 128/128 w8", C(64, 128, 128, 128, 8, 8, 3, 2))]
+            time_bwd_only("B1 T16384 D128 full", 1, 16384, 128, False, long)
+            time_bwd_only("B1 T16384 D128 causal", 1, 16384, 128, True, long)
         if args.out:
             with open(args.out, "w") as fh:
                 json.dump(dict(rows=ROWS, device=jax.devices()[0].device_kind, jax=jax.__version__), fh, indent=1)

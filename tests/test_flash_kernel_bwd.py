@@ -311,10 +311,13 @@ def test_shipped_configs_fit_shared_memory(family):
 
 @pytest.mark.parametrize("d", [128, 256])
 def test_shipped_h200_bf16_tiles_interpreted(d):
-    """The H200 bf16 backward tiles (64/64, and 64/32 32/64 at D256), interpreted at an odd length with a
-    causal mask: the tile shapes the GPU runs, checked against the reference here too."""
+    """The H200 bf16 backward tiles (dK/dV 64/128 + dQ 128/128 at D128, 64/32 + 32/64 at D256), interpreted
+    at an odd length with a causal mask on 128 x 128 block-mask tiles (so no tile is clipped to a smaller
+    block-mask tile): the tile shapes the GPU runs, checked against the reference here too."""
     config = fab.default_bwd_config(d, d, "bfloat16", device_kind="NVIDIA H200")
-    check_case(Case(bsz=1, hq=4, hkv=2, lq=150, lkv=150, d=d, mask="causal", block_q=64, block_kv=64,
+    assert fab._sub_tile(config.block_kv_dkv, 128) == config.block_kv_dkv
+    assert fab._sub_tile(config.block_q_dq, 128) == config.block_q_dq
+    check_case(Case(bsz=1, hq=4, hkv=2, lq=150, lkv=150, d=d, mask="causal", block_q=128, block_kv=128,
                     dtype="float32"), config=config)
 
 

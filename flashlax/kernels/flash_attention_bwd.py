@@ -108,7 +108,9 @@ BWD_CONFIGS: dict[str, dict[tuple[int, str], BwdConfig]] = {
     # rule (accumulator floats per thread <= ~128) but were not timed.
     "h200": {
         (64, "16"): BwdConfig(64, 64, 64, 64, 4, 4, 2, 2),
-        (128, "16"): BwdConfig(64, 64, 64, 64, 4, 4, 2, 2),
+        # D128: dK/dV 64/128 w8 s3, dQ 128/128 w8 s2 (session 3 A/B, bwd alone): B2 T4096 causal 2.08 ->
+        # 2.02 ms, full 3.87 -> 3.76, B1 T16384 causal 15.1 -> 14.7, full 29.5 -> 29.0 vs 64/64 64/64 w4 s2.
+        (128, "16"): BwdConfig(64, 128, 128, 128, 8, 8, 3, 2),
         # D256: 64/32 32/64 w4 s2 7.24 ms vs 32/64 64/32 w8 s2 10.7, 64/64 w8 8.04 (B2 T4096 causal bwd)
         (256, "16"): BwdConfig(64, 32, 32, 64, 4, 4, 2, 2),
         # float32 matmuls run on the CUDA cores (IEEE, no tf32): small tiles, as the forward's.
