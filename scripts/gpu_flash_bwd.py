@@ -106,7 +106,7 @@ ALL_CASES = ("causal d128 g4", "full d64 g4 Lq!=Lkv", "window d96 g3", "doc d192
              "relbias+causal d128 g4", "softcap d128 g8", "masked rows d64")
 C = fab.BwdConfig
 SWEEP = [  # first: the session-2 H200 bf16 D128 default (session 3 ships dK/dV 64/128 w8 s3 + dQ 128/128 w8,
-    # see --ab-config); then one pass changed at a time (dK/dV or dQ), so the
+    # see --only ab-config); then one pass changed at a time (dK/dV or dQ), so the
     # difference to the first row is that pass's (run 2 in docs/PERF_NOTES.md)
     ("64/64 64/64 w4 s2", C(64, 64, 64, 64, 4, 4, 2, 2)),
     ("dkv 64/128 w8 s2", C(64, 128, 64, 64, 8, 4, 2, 2)),
@@ -131,31 +131,26 @@ def _inputs(B, H, HKV, L, D):
     return rnd(1, (B, H, L, D), dt), rnd(2, (B, HKV, L, D), dt), rnd(3, (B, HKV, L, D), dt), rnd(4, (B, H, L, D), dt)
 
 
-def _bwd_sweep(q, k, v, dout, mm, configs, row, *, interpret=False, budget=None, transposed_too=False):
+def _bwd_sweep(q, k, v, dout, mm, configs, row, *, interpret=False, budget=None):
     """Times the backward alone on a 128x128 block mask for each (name, config), reporting through
-    ``row(impl, ms, compile_s)``; transposed_too: each config also with the untransposed dK/dV tile
-    (fab.TRANSPOSED_DKDV = False), for an A/B in one run. budget: skip configs once T0 + budget passed."""
+    ``row(impl, ms, compile_s)``. budget: skip configs once T0 + budget passed."""
     L, D = q.shape[2], q.shape[3]
     out, lse = jax.jit(lambda q, k, v: flex_attention_pallas(q, k, v, mask_mod=mm, return_lse=True,
                                                             interpret=interpret))(q, k, v)
     bm = masks.create_block_mask(mm, None, None, L, L, block_q=128, block_kv=128)
     for name, cfg in configs:
-        for transposed in (True, False) if transposed_too else (True,):
-            impl = f"bwd {name}" + ("" if transposed else " untransposed dkv")
-            if budget is not None and time.perf_counter() - T0 > budget:
-                log("  budget reached: skipping", impl)
-                continue
-            fab.TRANSPOSED_DKDV = transposed
-            f = jax.jit(lambda q, k, v, out, lse, dout, bm, cfg=cfg: fab.flash_attention_bwd(
-                q, k, v, out, lse, dout, block_mask=bm, score_mod=None, mask_mod=mm, captured=(),
-                scale=D ** -0.5, config=cfg, interpret=interpret)[:3])
-            try:
-                ms, cs = bench(f, q, k, v, out, lse, dout, bm)
-                row(impl, ms, cs)
-            except Exception as ex:
-                log("  EXC", impl, type(ex).__name__, str(ex)[:400])
-            finally:
-                fab.TRANSPOSED_DKDV = True
+        impl = f"bwd {name}"
+        if budget is not None and time.perf_counter() - T0 > budget:
+            log("  budget reached: skipping", impl)
+            continue
+        f = jax.jit(lambda q, k, v, out, lse, dout, bm, cfg=cfg: fab.flash_attention_bwd(
+            q, k, v, out, lse, dout, block_mask=bm, score_mod=None, mask_mod=mm, captured=(),
+            scale=D ** -0.5, config=cfg, interpret=interpret)[:3])
+        try:
+            ms, cs = bench(f, q, k, v, out, lse, dout, bm)
+            row(impl, ms, cs)
+        except Exception as ex:
+            log("  EXC", impl, type(ex).__name__, str(ex)[:400])
 
 
 def time_shape(label, B, L, causal, args, sweep):
@@ -217,8 +212,8 @@ D256_SWEEP = [  # D256 bf16: the shipped entry first
 ]
 
 
-def time_bwd_only(label, B, L, D, causal, configs, transposed_too=False, interpret=False):
-    """Backward alone (Hq32 Hkv8 bf16) for each config, optionally A/B against the untransposed dK/dV tile."""
+def time_bwd_only(label, B, L, D, causal, configs, interpret=False):
+    """Backward alone (Hq32 Hkv8 bf16) for each config."""
     mm = masks.causal if causal else None
     flops = 4 * B * 32 * L * L * D * (0.5 if causal else 1.0) * 2.5
 
@@ -226,7 +221,26 @@ def time_bwd_only(label, B, L, D, causal, configs, transposed_too=False, interpr
         log(f"time {label:22s} {impl:44s} {ms:8.3f} ms  {flops / ms / 1e9:6.1f} TFLOP/s  (compile {cs:.1f}s)")
         ROWS.append(dict(kind="time", shape=label, impl=impl, ms=ms, tflops=flops / ms / 1e9, compile_s=cs))
 
-    _bwd_sweep(*_inputs(B, 32, 8, L, D), mm, configs, row, interpret=interpret, transposed_too=transposed_too)
+    _bwd_sweep(*_inputs(B, 32, 8, L, D), mm, configs, row, interpret=interpret)
+
+
+SHIPPED_D128 = ("dkv 64/128 w8 s3 dq 128/128 w8", C(64, 128, 128, 128, 8, 8, 3, 2))   # session 3 default
+
+
+def _ab_config():
+    """The session-2 default, the session-3 one and its two halves, B2 T4096 causal and full, twice."""
+    for _ in range(2):
+        for label, causal in (("B2 T4096 D128 causal", True), ("B2 T4096 D128 full", False)):
+            time_bwd_only(label, 2, 4096, 128, causal, [SWEEP[0], SHIPPED_D128, SWEEP[4], SWEEP[7]])
+
+
+ONLY = {  # --only: backward-alone timings (bf16 Hq32 Hkv8), rows in docs/PERF_NOTES.md runs 2-4
+    "d256": lambda: time_bwd_only("B2 T4096 D256 causal", 2, 4096, 256, True, D256_SWEEP),
+    "full": lambda: time_bwd_only("B2 T4096 D128 full", 2, 4096, 128, False, SWEEP),
+    "long": lambda: [time_bwd_only(f"B1 T16384 D128 {m}", 1, 16384, 128, m == "causal", SWEEP + [SHIPPED_D128])
+                     for m in ("full", "causal")],
+    "ab-config": _ab_config,
+}
 
 
 def main():
@@ -237,39 +251,10 @@ def main():
     p.add_argument("--sweep", type=int, default=len(SWEEP), help="configs of the sweep to time")
     p.add_argument("--skip-time", action="store_true")
     p.add_argument("--smoke", action="store_true", help="CPU: interpret=True, tiny shapes, no timing")
-    p.add_argument("--ab", action="store_true", help="only: transposed vs untransposed dK/dV tile (D128) and "
-                                                     "the D256 config sweep, backward alone")
-    p.add_argument("--full-sweep", action="store_true", help="only: the D128 config sweep on the full mask "
-                                                             "(B2 T4096), backward alone")
-    p.add_argument("--ab-config", action="store_true", help="only: shipped vs 64/128 w8 s3 + dq 128/128 w8, "
-                                                            "B2 T4096 causal and full, twice, backward alone")
-    p.add_argument("--long-sweep", action="store_true", help="only: the D128 config sweep at B1 T16384, full "
-                                                             "and causal, backward alone")
+    p.add_argument("--only", choices=sorted(ONLY), help="run just this backward-alone timing (see ONLY)")
     args = p.parse_args()
-    if args.full_sweep or args.long_sweep or args.ab_config:
-        if args.ab_config:
-            pair = [SWEEP[0], ("dkv 64/128 w8 s3 dq 128/128 w8", C(64, 128, 128, 128, 8, 8, 3, 2)),
-                    SWEEP[4], SWEEP[7]]
-            for _ in range(2):
-                time_bwd_only("B2 T4096 D128 causal", 2, 4096, 128, True, pair)
-                time_bwd_only("B2 T4096 D128 full", 2, 4096, 128, False, pair)
-        elif args.full_sweep:
-            time_bwd_only("B2 T4096 D128 full", 2, 4096, 128, False, SWEEP)
-        else:
-            long = SWEEP + [("dkv 64/128 w8 s3 dq 128/128 w8", C(64, 128, 128, 128, 8, 8, 3, 2))]
-            time_bwd_only("B1 T16384 D128 full", 1, 16384, 128, False, long)
-            time_bwd_only("B1 T16384 D128 causal", 1, 16384, 128, True, long)
-        if args.out:
-            with open(args.out, "w") as fh:
-                json.dump(dict(rows=ROWS, device=jax.devices()[0].device_kind, jax=jax.__version__), fh, indent=1)
-        return
-    if args.ab:
-        time_bwd_only("B2 T4096 D128 causal", 2, 4096, 128, True, SWEEP[:1], transposed_too=True)
-        time_bwd_only("B2 T4096 D128 full", 2, 4096, 128, False, SWEEP[:1], transposed_too=True)
-        time_bwd_only("B1 T16384 D128 causal", 1, 16384, 128, True, SWEEP[:1], transposed_too=True)
-        time_bwd_only("B2 T4096 D64 causal", 2, 4096, 64, True, SWEEP[:1], transposed_too=True)
-        time_bwd_only("B2 T4096 D256 causal", 2, 4096, 256, True, D256_SWEEP, transposed_too=False)
-        time_bwd_only("B2 T4096 D256 causal", 2, 4096, 256, True, D256_SWEEP[:1], transposed_too=True)
+    if args.only:
+        ONLY[args.only]()
         if args.out:
             with open(args.out, "w") as fh:
                 json.dump(dict(rows=ROWS, device=jax.devices()[0].device_kind, jax=jax.__version__), fh, indent=1)
@@ -280,7 +265,7 @@ def main():
     results = {}
     if args.smoke and not args.skip_time:
         results["B2 T4096 causal"] = time_shape("B2 T4096 causal", 1, 256, True, args, SWEEP[:1])
-        time_bwd_only("ab smoke", 1, 64, 32, True, SWEEP[:1], transposed_too=True, interpret=True)
+        time_bwd_only("bwd-only smoke", 1, 64, 32, True, SWEEP[:1], interpret=True)
     if not args.skip_time and not args.smoke:
         shapes = [("B2 T4096 causal", 2, 4096, True, SWEEP[:args.sweep]),
                   ("B2 T4096 full", 2, 4096, False, SWEEP[:max(1, args.sweep // 3)]),

@@ -233,11 +233,6 @@ def _ds_tile(q, k, v, do, lse, delta, *, b, h, q_start, kv_start, lq, lkv, scale
     return p, ds * scale
 
 
-# The dK/dV pass computes P^T and dS^T directly when there is no score_mod (see _pt_dst_tile); False
-# forces the untransposed tile of the dQ pass (kept for A/B timing in scripts/gpu_flash_bwd.py).
-TRANSPOSED_DKDV = True
-
-
 def _pt_dst_tile(q, k, v, do, lse, delta, *, b, h, q_start, kv_start, lq, lkv, scale, partial, mask_mod,
                  captured, q_exact, kv_exact, interpret):
     """(P^T, dS^T) [bkv, bq] float32 of one tile, for the dK/dV pass without a score_mod.
@@ -360,7 +355,7 @@ def _dkdv_kernel(*refs, n_cap, groups, bq, bkv, mask_bq, mask_bkv, lq, lkv, d, d
                 lse = _load_vec(lse_ref, q_start, bq, lq, q_exact, lead=g)
                 delta = _load_vec(delta_ref, q_start, bq, lq, q_exact, lead=g)
                 prec = dot_precision(q.dtype)
-                if score_mod is None and TRANSPOSED_DKDV:
+                if score_mod is None:      # P^T, dS^T directly (see _pt_dst_tile)
                     pt, dst = _pt_dst_tile(q, k, v, do, lse, delta, b=b, h=h, q_start=q_start,
                                            kv_start=kv_start, lq=lq, lkv=lkv, scale=scale, partial=partial,
                                            mask_mod=mask_mod, captured=captured, q_exact=q_exact,
