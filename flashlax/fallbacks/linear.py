@@ -97,7 +97,6 @@ def gated_delta_rule_recurrent(q, k, v, log_alpha, beta=None, *, scale: float, i
 # chunked: batched intra-chunk precompute + sequential state scan
 # ----------------------------------------------------------------------------------------------------
 
-@jax.custom_vjp
 def _unit_lower_inverse(a):
     """(I + a)^-1 for strictly lower-triangular a [..., C, C] (the UT transform of the delta rule).
 
@@ -124,20 +123,6 @@ def _unit_lower_inverse(a):
                                jnp.concatenate([off, lower], axis=-1)], axis=-2)
         block *= 2
     return inv[..., 0, :size, :size]
-
-
-def _unit_lower_inverse_fwd(a):
-    x = _unit_lower_inverse(a)
-    return x, x
-
-
-def _unit_lower_inverse_bwd(x, dx):
-    # X = (I + A)^-1  =>  dX = -X dA X  =>  dA = -X^T dX X^T, restricted to the strictly lower part.
-    da = -_mm("...ji,...jk,...lk->...il", x, dx, x)
-    return (jnp.tril(da, -1),)
-
-
-_unit_lower_inverse.defvjp(_unit_lower_inverse_fwd, _unit_lower_inverse_bwd)
 
 
 def _decays(log_alpha):
@@ -233,7 +218,7 @@ def _intra_chunk_delta_bwd(scale, res, cts):
     dk = ((beta * gamma)[..., None] * d_bgk + e_last[..., None] * d_kdec
           + _mm("...tj,...tk->...jk", d_qk, q)
           + _mm("...tj,...jk->...tk", d_kk + jnp.swapaxes(d_kk, -1, -2), k))
-    # Through the decays: d seg on and below the diagonal, then dP_t = sum_j dseg[t, j] - sum_t' dseg[t', t]
+    # Through the decays: d seg on and below the diagonal (decay = exp(seg) there, 0 above)
     d_seg = (d_scores * qk + d_a * beta[..., :, None] * kk) * decay
     d_seg = d_seg.at[..., -1, :].add(jnp.sum(k * d_kdec, axis=-1) * e_last)
     d_gamma = d_gamma.at[..., -1].add(d_cdecay)
