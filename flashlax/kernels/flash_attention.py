@@ -13,7 +13,7 @@ GQA is native: query head h reads KV head h // G through the BlockSpec index map
 repeated in memory. Heads are the fastest grid axis, so the G programs that share a KV head run side by
 side and read each K/V tile from L2.
 
-Statistics are float32 and kept in base 2 (``exp2`` of ``s * log2 e``); lse is returned in natural log
+Statistics are float32; p = exp2(s * scale * log2 e - m) is one FMA and one ex2; lse is returned in natural log
 for the backward. Fully masked rows give output 0 and lse -inf (see ``_tiles.softmax_update``).
 Head dims are padded to the next power of two inside the kernel (masked loads, masked stores) and
 sequence edges are masked, so any Lq, Lkv and head dims 16..256 work without padding in memory.
@@ -92,7 +92,12 @@ def _fwd_kernel(*refs, st: _Static, n_cap: int, lq: int, lkv: int, d: int, dv: i
                        other=0.0).reshape(bq, dp)
     precision = _tiles.dot_precision(q.dtype)
     kv_ragged = lkv % bkv != 0
-    exp2_fn = functools.partial(_tiles.exp2, interpret=st.interpret)
+    # Base-2 factor of the scores, folded into the exponent's FMA (_tiles.softmax_update); the running
+    # max is taken on the unscaled scores, so the factor must be positive.
+    if st.score_mod is None:
+        mult = st.scale * LOG2E if st.scale > 0 else 1.0
+    else:
+        mult = LOG2E
 
     def visit(kv_tile, carry, masked: bool):
         m_prev, l_prev, acc_prev = carry
@@ -101,16 +106,17 @@ def _fwd_kernel(*refs, st: _Static, n_cap: int, lq: int, lkv: int, d: int, dv: i
         v = _tiles.load_tile(v_ref, kv_start, bkv, lkv, dvp, dv, aligned=True)
         qk = _tiles.dot_nt(q, k, precision)
         kv_idx = kv_start + lax.broadcasted_iota(jnp.int32, (1, bkv), 1)
+        # s: scores in units that `mult` turns into base-2 exponents (raw q.k when scale > 0).
         if st.score_mod is None:
-            s2 = qk * (st.scale * LOG2E)
+            s = qk if st.scale > 0 else qk * (st.scale * LOG2E)
         else:
-            s2 = st.score_mod(score_caps, qk * st.scale, b, h, q_idx, kv_idx) * LOG2E
+            s = st.score_mod(score_caps, qk * st.scale, b, h, q_idx, kv_idx)
         if kv_ragged:
-            s2 = s2 + _tiles.kv_edge_bias(kv_start, bkv, lkv)
+            s = s + _tiles.kv_edge_bias(kv_start, bkv, lkv)
         if masked:
             allowed = st.mask_mod(mask_caps, b, h, q_idx, kv_idx)
-            s2 = jnp.where(allowed, s2, -jnp.inf)
-        p, alpha, m_new, l_new = _tiles.softmax_update(s2, m_prev, l_prev, acc_prev, exp2_fn)
+            s = jnp.where(allowed, s, -jnp.inf)
+        p, alpha, m_new, l_new = _tiles.softmax_update(s, m_prev, l_prev, mult, st.interpret)
         acc = acc_prev * alpha[:, None] + _tiles.dot_nn(p.astype(v.dtype), v, precision)
         return m_new, l_new, acc
 
@@ -133,7 +139,7 @@ def _fwd_kernel(*refs, st: _Static, n_cap: int, lq: int, lkv: int, d: int, dv: i
         carry = lax.fori_loop(0, nkv, lambda j, c: visit(j, c, masked=False), carry)
 
     m, l, acc = carry
-    out, lse = _tiles.softmax_finalize(acc, m, l)
+    out, lse = _tiles.softmax_finalize(acc, m, l, mult)
     if gp == 1:
         _tiles.store_tile(o_ref, q_start, out, lq, dv, aligned=True)
         _tiles.store_vec(lse_ref, q_start, lse, lq)

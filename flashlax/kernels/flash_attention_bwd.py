@@ -36,7 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from flashlax import masks as masks_lib
-from flashlax.kernels._tiles import LOG2E, dot_nn, dot_nt, dot_precision, dot_tn, exp2, pow2
+from flashlax.kernels._tiles import LOG2E, dot_nn, dot_nt, dot_precision, dot_tn, exp2_fma, fma, pow2
 from flashlax.kernels.configs import SMEM_LIMITS, device_family
 from flashlax.masks import BlockMask
 
@@ -217,7 +217,7 @@ def _ds_tile(q, k, v, do, lse, delta, *, b, h, q_start, kv_start, lq, lkv, scale
     prec = dot_precision(q.dtype)
     qk = dot_nt(q, k, prec)
     if score_mod is None:
-        p = exp2(qk * (scale * LOG2E) - lse_safe * LOG2E, interpret)      # MUFU ex2 on the GPU
+        p = exp2_fma(qk, scale * LOG2E, -LOG2E * lse_safe, interpret)    # one FMA + MUFU ex2 on the GPU
         dmod = None
     else:
         s = qk * scale
@@ -227,6 +227,8 @@ def _ds_tile(q, k, v, do, lse, delta, *, b, h, q_start, kv_start, lq, lkv, scale
     if valid is not None:
         p = jnp.where(valid, p, 0.0)
     dp = dot_nt(do, v, prec)
+    if dmod is None:       # dS = P (dP - delta) scale with the scale folded into one FMA
+        return p, p * fma(dp, scale, -scale * delta[:, None], interpret)
     ds = p * (dp - delta[:, None])
     if dmod is not None:
         ds = ds * (dmod if valid is None else jnp.where(valid, dmod, 0.0))
@@ -254,11 +256,11 @@ def _pt_dst_tile(q, k, v, do, lse, delta, *, b, h, q_start, kv_start, lq, lkv, s
         valid = _and(valid, _call_mod(mask_mod, captured, b, h, q_idx, kv_idx).T)
     lse_safe = jnp.where(lse == -jnp.inf, jnp.inf, lse)[None, :]
     prec = dot_precision(q.dtype)
-    pt = exp2(dot_nt(k, q, prec) * (scale * LOG2E) - lse_safe * LOG2E, interpret)
+    pt = exp2_fma(dot_nt(k, q, prec), scale * LOG2E, -LOG2E * lse_safe, interpret)
     if valid is not None:
         pt = jnp.where(jnp.broadcast_to(valid, (bkv, bq)), pt, 0.0)
     dpt = dot_nt(v, do, prec)
-    return pt, pt * (dpt - delta[None, :]) * scale
+    return pt, pt * fma(dpt, scale, -scale * delta[None, :], interpret)
 
 
 def _and(a, b):
