@@ -75,6 +75,7 @@ class Case:
     dtype: str = "float32"
     seed: int = 0
     config: Any = None         # BwdConfig; None: TINY
+    dense: bool = False        # mask None only: pass block_mask=None (the dense loops) instead of all-full
 
 
 def _segments(rng, bsz, length, n_docs):
@@ -172,6 +173,9 @@ def run_case(case: Case, *, config=TINY, interpret=True):
     block_mask = create_block_mask(plain_mask, case.bsz if case.mask == "document" else None,
                                    case.hq if case.mask == "headwise" else None,
                                    case.lq, case.lkv, block_q=case.block_q, block_kv=case.block_kv)
+    if case.dense:
+        assert plain_mask is None
+        block_mask = None
     args = [jnp.asarray(x, dtype) for x in (q, k, v, out)]
     call = lambda: fab.flash_attention_bwd(
         *args, jnp.asarray(lse, jnp.float32), jnp.asarray(dout, dtype), block_mask=block_mask,
@@ -219,12 +223,15 @@ CASES = [
     Case(mask="prefix_lm", hq=2, hkv=1, lq=37, lkv=37, mod="softcap"),
     Case(mask="causal", hq=4, hkv=2, lq=40, lkv=40, mod="alibi"),
     Case(mask=None, hq=2, hkv=1, lq=29, lkv=35, mod="relative_bias"),
+    # block_mask=None: the dense loops (static trip counts, no index arrays), odd edges, G=3
+    Case(mask=None, hq=3, hkv=1, lq=45, lkv=77, d=48, dense=True),
+    Case(mask=None, hq=2, hkv=1, lq=50, lkv=31, mod="alibi", dense=True),
     # block-mask tiles larger than the backward tiles: sub-tiles past Lq / Lkv inside the last tile
     Case(mask="causal", hq=2, hkv=1, lq=96, lkv=96, block_q=64, block_kv=64),
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.mask}-{c.mod}-G{c.hq // c.hkv}-{c.lq}x{c.lkv}-d{c.d}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.mask}-{c.mod}-G{c.hq // c.hkv}-{c.lq}x{c.lkv}-d{c.d}{'-dense' * c.dense}")
 def test_bwd_matches_float64_reference(case):
     check_case(case)
 
@@ -301,11 +308,11 @@ def test_no_block_mask_and_refit_mask_agree():
 @pytest.mark.parametrize("family", sorted(fab.BWD_CONFIGS))
 def test_shipped_configs_fit_shared_memory(family):
     from flashlax.kernels.configs import SMEM_LIMITS
-    for (max_d, cls), cfg in fab.BWD_CONFIGS[family].items():
+    for (max_d, cls), cfg in [*fab.BWD_CONFIGS[family].items(), *fab.BWD_DENSE_CONFIGS[family].items()]:
         itemsize = 2 if cls == "16" else 4
         cfg.check_smem(max_d, max_d, itemsize, SMEM_LIMITS[family])
         assert 0 < cfg.smem_bytes(max_d, max_d, itemsize) <= SMEM_LIMITS[family]
-    for cfg in fab.BWD_CONFIGS["rtx3090"].values():    # the 99 KB budget of the RTX 3090
+    for cfg in [*fab.BWD_CONFIGS["rtx3090"].values(), *fab.BWD_DENSE_CONFIGS["rtx3090"].values()]:  # 99 KB
         assert cfg.smem_bytes(128, 128, 2) <= 101376
 
 
@@ -319,6 +326,15 @@ def test_shipped_h200_bf16_tiles_interpreted(d):
     assert fab._sub_tile(config.block_q_dq, 128) == config.block_q_dq
     check_case(Case(bsz=1, hq=4, hkv=2, lq=150, lkv=150, d=d, mask="causal", block_q=128, block_kv=128,
                     dtype="float32"), config=config)
+
+
+def test_shipped_h200_dense_tiles_interpreted():
+    """The H200 D128 config of unmasked calls (dQ 128/64 s3), interpreted at odd, unequal lengths with no
+    mask: the dense static loops with edge tiles, against the reference."""
+    config = fab.default_bwd_config(128, 128, "bfloat16", device_kind="NVIDIA H200", dense=True)
+    assert config != fab.default_bwd_config(128, 128, "bfloat16", device_kind="NVIDIA H200")
+    check_case(Case(bsz=1, hq=4, hkv=2, lq=150, lkv=200, d=128, mask=None, dtype="float32",
+                    dense=True), config=config)
 
 
 def test_config_validation():

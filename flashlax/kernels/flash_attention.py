@@ -266,7 +266,7 @@ def _split_mods(st: _Static):
 
 def _kernel_vjp(st, q, k, v, bm, captured, out, lse, dout):
     score, mask = _split_mods(st)
-    # bm None (no mask): the backward builds an all-full mask with its own tiles.
+    # bm None (no mask): the backward runs its dense loops (static trip counts, no index arrays).
     caps = {"score": tuple(captured[:st.n_score_cap]), "mask": tuple(captured[st.n_score_cap:])}
     dq, dk, dv, dcap = _kernel_bwd()(q, k, v, out, lse, dout, block_mask=bm, score_mod=score,
                                      mask_mod=mask, captured=caps, scale=st.scale, config=None,
