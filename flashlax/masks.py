@@ -146,7 +146,10 @@ def create_block_mask(mask_mod: MaskMod | None, B: int | None, H: int | None, Q_
     """Classifies the tiles of ``mask_mod`` over [B, H, Q_LEN, KV_LEN] (B or H None: independent of it).
 
     Works under ``jit`` (mods may capture traced arrays); memory is bounded by evaluating a few tiles at a
-    time. ``mask_mod=None`` means no mask: every tile is full.
+    time. ``mask_mod=None`` means no mask: every tile is full. Under ``jit``, a mod that captures no
+    traced array (causal, sliding window, documents from concrete segment ids) is classified once, at
+    trace time, and its lists become constants of the compiled program: nothing runs per call (building
+    a causal T=4096 mask inside a jitted call cost ~0.2 ms per call on the H200 before this).
     """
     for name, val in (("Q_LEN", Q_LEN), ("KV_LEN", KV_LEN), ("block_q", block_q), ("block_kv", block_kv)):
         if not isinstance(val, (int, np.integer)) or val < 1:
@@ -158,11 +161,13 @@ def create_block_mask(mask_mod: MaskMod | None, B: int | None, H: int | None, Q_
         raise ValueError(f"create_block_mask: mask_mod must be callable or None, got {type(mask_mod).__name__}")
     bm, hm = (B or 1), (H or 1)
     nq, nkv = _cdiv(Q_LEN, block_q), _cdiv(KV_LEN, block_kv)
-    if mask_mod is None:
-        kinds = jnp.full((bm, hm, nq, nkv), FULL, jnp.int8)
-    else:
-        kinds = _tile_kinds(mask_mod, bm, hm, Q_LEN, KV_LEN, block_q, block_kv)
-    return block_mask_from_kinds(kinds, Q_LEN, KV_LEN, block_q, block_kv, mask_mod)
+    # Eager wherever the inputs are concrete; a captured tracer stages the ops as usual.
+    with jax.ensure_compile_time_eval():
+        if mask_mod is None:
+            kinds = jnp.full((bm, hm, nq, nkv), FULL, jnp.int8)
+        else:
+            kinds = _tile_kinds(mask_mod, bm, hm, Q_LEN, KV_LEN, block_q, block_kv)
+        return block_mask_from_kinds(kinds, Q_LEN, KV_LEN, block_q, block_kv, mask_mod)
 
 
 # ----------------------------------------------------------------------------------------------------
