@@ -128,6 +128,17 @@ def test_bfloat16_and_scale():
     _check(out, lse, *_reference(q, k, v, None, masks.causal, scale=0.3), dtype=jnp.bfloat16)
 
 
+@pytest.mark.parametrize("scale", [-0.4, 0.0])
+def test_nonpositive_scale(scale):
+    """The forward folds a positive scale into the exponent's FMA and takes the running max on unscaled
+    scores; a negative or zero scale must take the pre-scaled path (the max of -s is not -max s)."""
+    q, k, v = _inputs(5, 1, 4, 2, 37, 45, 32)
+    out, lse = _run(q, k, v, mask_mod=masks.causal, scale=scale)
+    _check(out, lse, *_reference(q, k, v, None, masks.causal, scale=scale))
+    out, lse = _run(q, k, v, scale=scale)
+    _check(out, lse, *_reference(q, k, v, None, None, scale=scale))
+
+
 @given(seed=st.integers(0, 2**16), groups=st.sampled_from([1, 2, 3, 4]), lq=st.integers(1, 70),
        lkv=st.integers(1, 70), d=st.sampled_from([16, 32, 48]),
        mask=st.sampled_from([None, "causal", "window", "document", "prefix"]))
