@@ -161,13 +161,21 @@ def create_block_mask(mask_mod: MaskMod | None, B: int | None, H: int | None, Q_
         raise ValueError(f"create_block_mask: mask_mod must be callable or None, got {type(mask_mod).__name__}")
     bm, hm = (B or 1), (H or 1)
     nq, nkv = _cdiv(Q_LEN, block_q), _cdiv(KV_LEN, block_kv)
-    # Eager wherever the inputs are concrete; a captured tracer stages the ops as usual.
-    with jax.ensure_compile_time_eval():
+    def build():
         if mask_mod is None:
             kinds = jnp.full((bm, hm, nq, nkv), FULL, jnp.int8)
         else:
             kinds = _tile_kinds(mask_mod, bm, hm, Q_LEN, KV_LEN, block_q, block_kv)
         return block_mask_from_kinds(kinds, Q_LEN, KV_LEN, block_q, block_kv, mask_mod)
+
+    try:
+        # Eager wherever the inputs are concrete; a captured tracer stages the ops as usual.
+        with jax.ensure_compile_time_eval():
+            return build()
+    except Exception:  # noqa: BLE001
+        # No device to evaluate on (tracing under an abstract mesh for another platform): stage it.
+        # A genuine error of the mod is raised again by the staged build.
+        return build()
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -168,3 +168,21 @@ def test_score_mod_library_semantics():
 def test_library_errors(call):
     with pytest.raises(ValueError):
         call()
+
+
+def test_block_mask_under_jit_is_built_at_trace_time():
+    """A mod capturing no traced array is classified while tracing (its lists become constants: nothing
+    runs per call); one capturing traced segment ids is staged and gives the same lists as eagerly."""
+    def eqn_names(fn, *args):
+        return {e.primitive.name for e in jax.make_jaxpr(fn)(*args).eqns}
+
+    causal_sum = lambda x: masks.create_block_mask(masks.causal, None, None, 300, 300, block_q=32,
+                                                   block_kv=32).kv_indices.sum() + x
+    assert "scan" not in eqn_names(causal_sum, 1)
+    seg = jnp.asarray(np.repeat(np.arange(5), 60)[None], jnp.int32)
+    traced = lambda s: masks.create_block_mask(masks.document(s), 1, None, 300, 300, block_q=32, block_kv=32)
+    assert "scan" in eqn_names(lambda s: traced(s).kv_num_blocks, seg)
+    eager, jitted = traced(seg), jax.jit(traced)(seg)
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
+                 "q_indices", "full_q_num_blocks", "full_q_indices"):
+        np.testing.assert_array_equal(np.asarray(getattr(eager, name)), np.asarray(getattr(jitted, name)))
