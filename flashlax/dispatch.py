@@ -8,6 +8,7 @@ imports Pallas or a kernel module.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 from typing import Callable
 
@@ -30,6 +31,9 @@ class Impl:
     kind: str
     target: str | None  # None: registered in the contract but not written yet
     note: str = ""
+    # ((backend family, keyword, value), ...): keyword arguments the function gets on that backend family
+    # (how it runs there, never what it computes).
+    options: tuple = ()
 
 
 _F = "flashlax.fallbacks"
@@ -47,7 +51,8 @@ TABLE: dict[str, dict[str, Impl]] = {
     },
     "gated_delta_rule": {
         "recurrent": Impl("recurrent", "xla", f"{_F}.linear:gated_delta_rule_recurrent"),
-        "chunked": Impl("chunked", "xla", f"{_F}.linear:gated_delta_rule_chunked"),
+        "chunked": Impl("chunked", "xla", f"{_F}.linear:gated_delta_rule_chunked",
+                        options=(("cpu", "sequential_heads", True),)),
         "chunked_fat": Impl("chunked_fat", "xla", f"{_F}.linear:gated_delta_rule_chunked_fat"),
         "ssd": Impl("ssd", "pallas", None, "Pallas SSD kernel: not written yet; GPU default is chunked"),
     },
@@ -110,4 +115,9 @@ def resolve(op: str, impl: str | None, *, interpret: bool = False,
     if entry.target is None:
         raise RuntimeError(f"{name} is not implemented yet in this version of flashlax ({entry.note}).")
     module, _, attr = entry.target.partition(":")
-    return entry, getattr(importlib.import_module(module), attr)
+    fn = getattr(importlib.import_module(module), attr)
+    family = backend_family(backend)
+    options = {key: value for fam, key, value in entry.options if fam == family}
+    if options:
+        fn = functools.update_wrapper(functools.partial(fn, **options), fn)
+    return entry, fn

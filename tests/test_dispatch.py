@@ -32,6 +32,10 @@ def test_cpu_defaults():
     assert dispatch.default_impl("flex_attention", "cpu") == "xla"
     entry, fn = dispatch.resolve("gated_delta_rule", None, backend="cpu")
     assert entry.name == "chunked" and fn.__name__ == "gated_delta_rule_chunked"
+    # how it runs per backend: one (batch, head) slice at a time on CPU, batched on GPU
+    assert fn.keywords == {"sequential_heads": True}
+    _, gpu_fn = dispatch.resolve("gated_delta_rule", "chunked", backend="gpu")
+    assert not hasattr(gpu_fn, "keywords") and gpu_fn.__name__ == "gated_delta_rule_chunked"
 
 
 def test_resolve_returns_the_named_function():

@@ -11,9 +11,13 @@ from hypothesis import given, strategies as st
 from conftest import TOLERANCES, rel_err
 from flashlax import available_impls, gated_delta_rule
 from flashlax._residuals import residual_bytes
+from flashlax.fallbacks.linear import gated_delta_rule_chunked
 from flashlax.reference import gated_delta_rule_reference
 
 IMPLS = available_impls("gated_delta_rule")      # recurrent, chunked, chunked_fat on CPU (+ ssd on GPU)
+# On CPU the dispatcher runs "chunked" one (batch, head) slice at a time; "chunked_batched" is the same
+# function with all slices batched, as the GPU runs it, so both layouts meet the reference here.
+CHECKED = IMPLS + ("chunked_batched",)
 GRAD_NAMES = ("q", "k", "v", "log_alpha", "beta", "initial_state")
 
 # bf16 / f16 inputs are upcast and computed in float32; the output and every gradient are stored in
@@ -86,7 +90,12 @@ def check_against_reference(inputs, impls, tol, seed=0, chunk_size=64, scale=Non
     cot = random_cotangents(inputs, seed)
     ref_o, ref_state, ref_grads = reference(inputs, cot, scale)
     for impl in impls:
-        fn = functools.partial(gated_delta_rule, impl=impl, chunk_size=chunk_size, scale=scale)
+        if impl == "chunked_batched":
+            dk = inputs["q"].shape[-1]
+            fn = functools.partial(gated_delta_rule_chunked, chunk_size=chunk_size, sequential_heads=False,
+                                   scale=dk ** -0.5 if scale is None else scale)
+        else:
+            fn = functools.partial(gated_delta_rule, impl=impl, chunk_size=chunk_size, scale=scale)
         o, state, grads = run_with_grads(fn, inputs, cot)
         assert o.dtype == inputs["v"].dtype and o.shape == ref_o.shape, impl
         assert state.dtype == jnp.float32 and state.shape == ref_state.shape, impl
@@ -126,13 +135,13 @@ def check_against_reference(inputs, impls, tol, seed=0, chunk_size=64, scale=Non
 def test_matches_float64_reference(seed, batch, heads, seq_len, dk, dv, chunk_size, la_lo, with_beta, with_state):
     inputs = make_inputs(seed, batch, heads, seq_len, dk, dv, la_lo=la_lo, with_beta=with_beta,
                          with_state=with_state)
-    check_against_reference(inputs, IMPLS, TOLERANCES["float32"], seed, chunk_size)
+    check_against_reference(inputs, CHECKED, TOLERANCES["float32"], seed, chunk_size)
 
 
 @pytest.mark.parametrize("dtype, with_beta", [("bfloat16", True), ("float16", False)])
 def test_low_precision_inputs(dtype, with_beta):
     inputs = make_inputs(31, 1, 2, 45, 8, 16, dtype=jnp.dtype(dtype), with_beta=with_beta)
-    check_against_reference(inputs, IMPLS, LOW_PRECISION_TOL[dtype], seed=31, chunk_size=32)
+    check_against_reference(inputs, CHECKED, LOW_PRECISION_TOL[dtype], seed=31, chunk_size=32)
 
 
 def test_mixed_strong_and_weak_decay_keeps_float32_accuracy():
@@ -142,7 +151,7 @@ def test_mixed_strong_and_weak_decay_keeps_float32_accuracy():
     reset = np.zeros((1, 2, 80), bool)
     reset[..., [5, 40, 55, 56, 70]] = True
     inputs["log_alpha"] = jnp.where(reset, -1e4, inputs["log_alpha"])
-    check_against_reference(inputs, IMPLS, TOLERANCES["float32"], seed=3, chunk_size=32)
+    check_against_reference(inputs, CHECKED, TOLERANCES["float32"], seed=3, chunk_size=32)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -150,12 +159,12 @@ def test_strong_decay_log_alpha_gradient(seed):
     """log_alpha ~ U[-100, 0]: in-chunk decays near 0 next to O(1) diagonal terms. A log_alpha gradient
     formed as differences of row and column sums lost 1e-2..4e-2 relative here (hypothesis found it)."""
     inputs = make_inputs(seed, 1, 1, 15, 16, 4, la_lo=-100.0)
-    check_against_reference(inputs, IMPLS, TOLERANCES["float32"], seed=seed, chunk_size=16)
+    check_against_reference(inputs, CHECKED, TOLERANCES["float32"], seed=seed, chunk_size=16)
 
 
 def test_scale_and_dk_ne_dv():
     inputs = make_inputs(4, 2, 1, 40, 16, 8)
-    check_against_reference(inputs, IMPLS, TOLERANCES["float32"], seed=4, chunk_size=16, scale=0.7)
+    check_against_reference(inputs, CHECKED, TOLERANCES["float32"], seed=4, chunk_size=16, scale=0.7)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -178,7 +187,7 @@ def test_edge_cases_finite(case):
         for name, x in [("o", o), ("state", state)] + list(grads.items()):
             assert np.all(np.isfinite(np.asarray(x, np.float64))), (impl, case, name)
     # and still right: the values are compared with the reference as well
-    check_against_reference(inputs, IMPLS, TOLERANCES["float32"], seed=7, chunk_size=32)
+    check_against_reference(inputs, CHECKED, TOLERANCES["float32"], seed=7, chunk_size=32)
 
 
 def test_strong_decay_resets_the_state():
@@ -267,6 +276,10 @@ def test_residual_sizes():
     assert recurrent >= seq_len * batch * heads * dk * dv * 4                  # a state per token
     # excluding the arguments themselves, chunked keeps nothing
     assert residual_bytes(lambda *a: gated_delta_rule(*a[:5], initial_state=a[5], impl="chunked"), *args)[0] == 0
+    for by_slice in (False, True):      # both layouts of chunked (the dispatcher picks by backend)
+        batched = lambda *a, s=by_slice: gated_delta_rule_chunked(*a[:5], initial_state=a[5], scale=0.2,  # noqa: E731
+                                                                  sequential_heads=s)
+        assert residual_bytes(batched, *args)[0] == 0
 
 
 # ---------------------------------------------------------------------------------------------------
