@@ -13,8 +13,8 @@ GQA is native: query head h reads KV head h // G through the BlockSpec index map
 repeated in memory. Heads are the fastest grid axis, so the G programs that share a KV head run side by
 side and read each K/V tile from L2.
 
-Statistics are float32; p = exp2(s * scale * log2 e - m) is one FMA and one ex2; lse is returned in natural log
-for the backward. Fully masked rows give output 0 and lse -inf (see ``_tiles.softmax_update``).
+Statistics are float32; p = exp2(s * scale * log2 e - m) is one FMA and one ex2; lse is returned in
+natural log for the backward. Fully masked rows give output 0 and lse -inf (see ``_tiles.softmax_update``).
 Head dims are padded to the next power of two inside the kernel (masked loads, masked stores) and
 sequence edges are masked, so any Lq, Lkv and head dims 16..256 work without padding in memory.
 """

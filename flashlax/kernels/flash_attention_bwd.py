@@ -245,9 +245,7 @@ def _ds_tile(q, k, v, do, lse, delta, *, b, h, q_start, kv_start, lq, lkv, scale
     dp = dot_nt(do, v, prec)
     if dmod is None:       # dS = P (dP - delta) scale with the scale folded into one FMA
         return p, p * fma(dp, scale, -scale * delta[:, None], interpret)
-    ds = p * (dp - delta[:, None])
-    if dmod is not None:
-        ds = ds * (dmod if valid is None else jnp.where(valid, dmod, 0.0))
+    ds = p * (dp - delta[:, None]) * (dmod if valid is None else jnp.where(valid, dmod, 0.0))
     return p, ds * scale
 
 
