@@ -13,6 +13,7 @@ every variant alike. Reported: the median of the per-round medians, and every ro
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -31,15 +32,15 @@ from _gpu_common import bench, log, rel, rnd  # noqa: E402 (scripts/ is on sys.p
 C = fab.BwdConfig
 # Variants: edit these dicts for the next experiment (session 4 ran FMA-folded exp2 on/off, a fused
 # dK/dV + dQ launch and flex's 128/64 tiles; docs/PERF_NOTES.md). The first entry of each is the baseline.
-FWD = {
+FWD = {   # next experiment: the launch order (FlashConfig.q_major) and two stages, for the dense forward
     "fwd 128/128 w8 s3 (shipped)": FlashConfig(128, 128, 8, 3),
+    "fwd 128/128 w8 s3 q-major grid": FlashConfig(128, 128, 8, 3, q_major=True),
+    "fwd 128/128 w8 s2": FlashConfig(128, 128, 8, 2),
 }
 # name -> (config, index_path): index_path=True gives an unmasked call an all-full 128x128 block mask, so it
-# runs the block-mask loops (index arrays) instead of the dense static loops.
+# runs the block-mask loops (index arrays) instead of the dense static loops (session 4's A/B of those).
 BWD = {
-    "bwd shipped, all-full block mask": (C(64, 128, 128, 128, 8, 8, 3, 2), True),
-    "bwd shipped": (C(64, 128, 128, 128, 8, 8, 3, 2), False),
-    "bwd dq 128/64 s3": (C(64, 128, 128, 64, 8, 8, 3, 3), False),
+    "bwd shipped (dense config)": (C(64, 128, 128, 64, 8, 8, 3, 3), False),
 }
 ROWS: list[dict] = []
 
@@ -73,7 +74,8 @@ def check(interp):
             ref_g = pull(do)
         for n, f in fwd.items():
             cfg = FWD[n]
-            small = FlashConfig(min(cfg.block_q, 64), min(cfg.block_kv, 64), cfg.num_warps, 2)
+            small = dataclasses.replace(cfg, block_q=min(cfg.block_q, 64), block_kv=min(cfg.block_kv, 64),
+                                        num_stages=2)
             out = flex_attention_pallas(q, k, v, mask_mod=mm, config=small, interpret=interp)
             e = rel(out, ref_out)
             fails += e > 2e-5

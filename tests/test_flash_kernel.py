@@ -8,6 +8,8 @@ compiled kernel at realistic shapes (pytest -m gpu on the device machine).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -126,6 +128,16 @@ def test_bfloat16_and_scale():
     out, lse = _run(q, k, v, mask_mod=masks.causal, scale=0.3)
     assert out.dtype == jnp.bfloat16 and lse.dtype == jnp.float32
     _check(out, lse, *_reference(q, k, v, None, masks.causal, scale=0.3), dtype=jnp.bfloat16)
+
+
+def test_query_tile_major_launch_order():
+    """FlashConfig.q_major (query tiles the fastest grid axis) computes the same attention, with and
+    without a block mask, per-head and packed GQA (G = 2), odd lengths."""
+    q, k, v = _inputs(6, 2, 4, 2, 53, 70, 32)
+    for cfg in (dataclasses.replace(TINY, q_major=True), dataclasses.replace(TINY_PACK, q_major=True)):
+        for mask_mod in (masks.causal, None):
+            out, lse = _run(q, k, v, config=cfg, mask_mod=mask_mod)
+            _check(out, lse, *_reference(q, k, v, None, mask_mod))
 
 
 @pytest.mark.parametrize("scale", [-0.4, 0.0])
@@ -300,3 +312,21 @@ def test_gpu_deterministic_and_mods():
     ref, _ = attention_reference(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
                                  score_mod=score_mod, mask_mod=mask_mod)
     assert rel_err(a, ref) < TOLERANCES["bfloat16"]
+
+
+@pytest.mark.parametrize("q_major", [False, True])
+def test_forward_lowers_to_triton(q_major):
+    """The forward kernel (inline-PTX FMA + ex2, both launch orders, an implicit causal mask built while
+    tracing for another platform) goes through the Pallas Triton lowering for an abstract H200."""
+    abstract = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="gpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=abstract)
+    cfg = FlashConfig(128, 128, 8, 3, q_major=q_major)
+    sd = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)  # noqa: E731
+
+    def f(q, k, v):
+        return flex_attention_pallas(q, k, v, mask_mod=masks.causal, config=cfg, device_kind="NVIDIA H200")
+
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = jax.jit(f).trace(sd(1, 4, 300, 128), sd(1, 2, 300, 128), sd(1, 2, 300, 128)).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert "flex_attention_fwd" in text

@@ -35,6 +35,10 @@ class FlashConfig:
     neighbouring programs and share K/V tiles through L2. True: one program holds the G heads of a KV
     group (block_q // G rows each) so every K/V tile is loaded once for all of them; used when G is a
     power of two, block_q // G >= 16 and the block mask does not depend on the head.
+
+    q_major: launch order. False: heads are the fastest grid axis (the G heads of a KV group run side by
+    side). True: query tiles are the fastest (the programs in flight share one head's K/V). Not measured
+    yet (session 4 ran out of device time); scripts/gpu_ab.py has the A/B ready.
     """
 
     block_q: int = 64
@@ -42,6 +46,7 @@ class FlashConfig:
     num_warps: int = 4
     num_stages: int = 2
     pack_gqa: bool = False
+    q_major: bool = False
 
     def __post_init__(self):
         for name in ("block_q", "block_kv"):

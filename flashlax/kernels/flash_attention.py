@@ -73,20 +73,21 @@ def _fwd_kernel(*refs, st: _Static, n_cap: int, lq: int, lkv: int, d: int, dv: i
 
     gp = st.pack                          # query heads per program (1: one head, G: a whole KV group)
     bqh = bq // gp                        # query rows per head
-    iq = pl.program_id(1)
+    # grid (heads, query tiles, batch), or (query tiles, heads, batch) with cfg.q_major
+    h_pid, iq = (pl.program_id(1), pl.program_id(0)) if cfg.q_major else (pl.program_id(0), pl.program_id(1))
     if st.reverse_q:                       # heaviest (causal: longest) rows first
         iq = nq - 1 - iq
     b = pl.program_id(2)
     dp, dvp = pow2(d), pow2(dv)
     q_start = pl.multiple_of(iq * bqh, bqh)
     if gp == 1:
-        h = pl.program_id(0)
+        h = h_pid
         q = _tiles.load_tile(q_ref, q_start, bq, lq, dp, d, aligned=True)
         q_idx = q_start + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
     else:
         # Rows g * bqh + i hold query i of head hkv * G + g: one K/V tile load serves the whole group.
         row = lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
-        h = pl.program_id(0) * gp + row // bqh
+        h = h_pid * gp + row // bqh
         q_idx = q_start + row % bqh
         q = plgpu.load(q_ref.at[:, pl.ds(q_start, bqh), pl.ds(0, dp)], mask=_mask3(gp, q_start, bqh, lq, dp, d),
                        other=0.0).reshape(bq, dp)
@@ -179,18 +180,22 @@ def _forward_call(st: _Static, q, k, v, bm: masks_lib.BlockMask | None, captured
     kv_head = (lambda h: h // groups) if gp == 1 else (lambda h: h)
     qh = None if gp == 1 else gp
 
+    def _spec(block, index_map):
+        # index maps are written for grid (h, i, b); cfg.q_major launches (i, h, b)
+        return pl.BlockSpec(block, (lambda i, h, b: index_map(h, i, b)) if cfg.q_major else index_map)
+
     in_specs = [
-        pl.BlockSpec((None, qh, lq, dp), lambda h, i, b: (b, h, 0, 0)),
-        pl.BlockSpec((None, None, lkv, dp), lambda h, i, b: (b, kv_head(h), 0, 0)),
-        pl.BlockSpec((None, None, lkv, dvp), lambda h, i, b: (b, kv_head(h), 0, 0)),
+        _spec((None, qh, lq, dp), lambda h, i, b: (b, h, 0, 0)),
+        _spec((None, None, lkv, dp), lambda h, i, b: (b, kv_head(h), 0, 0)),
+        _spec((None, None, lkv, dvp), lambda h, i, b: (b, kv_head(h), 0, 0)),
     ]
     args = [q, k, v]
     if st.has_block_mask:
         bm_dep, hm_dep = bm.kv_num_blocks.shape[0] > 1, bm.kv_num_blocks.shape[1] > 1
         sel_b = (lambda b: b) if bm_dep else (lambda b: 0)
         sel_h = (lambda h: h) if hm_dep else (lambda h: 0)
-        num_spec = pl.BlockSpec((None, None, 1), lambda h, i, b: (sel_b(b), sel_h(h), rev(i)))
-        idx_spec = pl.BlockSpec((None, None, None, nkv), lambda h, i, b: (sel_b(b), sel_h(h), rev(i), 0))
+        num_spec = _spec((None, None, 1), lambda h, i, b: (sel_b(b), sel_h(h), rev(i)))
+        idx_spec = _spec((None, None, None, nkv), lambda h, i, b: (sel_b(b), sel_h(h), rev(i), 0))
         in_specs += [num_spec, idx_spec, num_spec, idx_spec, num_spec, num_spec]
         args += [bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices,
                  *_leading_run(bm.full_kv_num_blocks, bm.full_kv_indices)]
@@ -200,10 +205,10 @@ def _forward_call(st: _Static, q, k, v, bm: masks_lib.BlockMask | None, captured
     kernel = functools.partial(_fwd_kernel, st=st, n_cap=len(captured), lq=lq, lkv=lkv, d=d, dv=dv, nq=nq, nkv=nkv)
     out, lse = pl.pallas_call(
         kernel,
-        grid=(hq // gp, nq, bsz),
+        grid=(nq, hq // gp, bsz) if cfg.q_major else (hq // gp, nq, bsz),
         in_specs=in_specs,
-        out_specs=[pl.BlockSpec((None, qh, lq, dvp), lambda h, i, b: (b, h, 0, 0)),
-                   pl.BlockSpec((None, qh, lq), lambda h, i, b: (b, h, 0))],
+        out_specs=[_spec((None, qh, lq, dvp), lambda h, i, b: (b, h, 0, 0)),
+                   _spec((None, qh, lq), lambda h, i, b: (b, h, 0))],
         out_shape=[jax.ShapeDtypeStruct((bsz, hq, lq, dv), q.dtype),
                    jax.ShapeDtypeStruct((bsz, hq, lq), jnp.float32)],
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
