@@ -21,6 +21,12 @@ def rnd(key, shape, dtype):
     return jax.random.normal(jax.random.PRNGKey(key), shape, jnp.float32).astype(dtype)
 
 
+def attention_inputs(B, H, HKV, L, D, dtype=jnp.bfloat16):
+    """q, k, v, dout: fresh random inputs, heads-first ([B, H, L, D], K/V with HKV heads)."""
+    return (rnd(1, (B, H, L, D), dtype), rnd(2, (B, HKV, L, D), dtype), rnd(3, (B, HKV, L, D), dtype),
+            rnd(4, (B, H, L, D), dtype))
+
+
 def rel(x, ref):
     x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
     return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))

@@ -27,7 +27,7 @@ from flashlax.kernels.configs import FlashConfig
 from flashlax.kernels.flash_attention import flex_attention_pallas
 from flashlax.reference import attention_reference
 
-from _gpu_common import bench, log, rel, rnd  # noqa: E402 (scripts/ is on sys.path)
+from _gpu_common import attention_inputs as inputs, bench, log, rel  # noqa: E402 (scripts/ is on sys.path)
 
 C = fab.BwdConfig
 # Variants: edit these dicts for the next experiment (session 4 ran FMA-folded exp2 on/off, a fused
@@ -43,11 +43,6 @@ BWD = {
     "bwd shipped (dense config)": (C(64, 128, 128, 64, 8, 8, 3, 3), False),
 }
 ROWS: list[dict] = []
-
-
-def inputs(B, H, HKV, L, D, dtype=jnp.bfloat16):
-    return (rnd(1, (B, H, L, D), dtype), rnd(2, (B, HKV, L, D), dtype), rnd(3, (B, HKV, L, D), dtype),
-            rnd(4, (B, H, L, D), dtype))
 
 
 def make_fns(mm, L, D, interp):

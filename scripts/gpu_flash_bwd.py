@@ -28,7 +28,7 @@ from flashlax.kernels import flash_attention_bwd as fab
 from flashlax.kernels.flash_attention import flex_attention_pallas
 from flashlax.reference import attention_reference
 
-from _gpu_common import T0, bench as _bench, log, rel, rnd  # noqa: E402 (scripts/ is on sys.path)
+from _gpu_common import T0, attention_inputs, bench as _bench, log, rel, rnd  # noqa: E402 (scripts/ is on sys.path)
 
 ROWS: list[dict] = []
 ANCHORS = {  # fwd+bwd ms, H200 bf16 (shared/ANCHORS.md): cudnn, torch flex, torch sdpa, jax in-tree pallas
@@ -125,12 +125,6 @@ def bench(f, *a, target_ms=80.0, reps=7):
     return _bench(f, *a, target_ms=target_ms, reps=reps, min_iters=2)
 
 
-def _inputs(B, H, HKV, L, D):
-    """q, k, v, dout: fresh random bf16, heads-first."""
-    dt = jnp.bfloat16
-    return rnd(1, (B, H, L, D), dt), rnd(2, (B, HKV, L, D), dt), rnd(3, (B, HKV, L, D), dt), rnd(4, (B, H, L, D), dt)
-
-
 def _bwd_sweep(q, k, v, dout, mm, configs, row, *, interpret=False, budget=None):
     """Times the backward alone on a 128x128 block mask for each (name, config), reporting through
     ``row(impl, ms, compile_s)``. budget: skip configs once T0 + budget passed."""
@@ -156,7 +150,7 @@ def _bwd_sweep(q, k, v, dout, mm, configs, row, *, interpret=False, budget=None)
 def time_shape(label, B, L, causal, args, sweep):
     H, HKV, D = (32, 8, 128) if not args.smoke else (4, 2, 32)
     it = args.smoke
-    q, k, v, dout = _inputs(B, H, HKV, L, D)
+    q, k, v, dout = attention_inputs(B, H, HKV, L, D)
     mm = masks.causal if causal else None
     flops = 4 * B * H * L * L * D * (0.5 if causal else 1.0)
     res = {}
@@ -221,7 +215,7 @@ def time_bwd_only(label, B, L, D, causal, configs, interpret=False):
         log(f"time {label:22s} {impl:44s} {ms:8.3f} ms  {flops / ms / 1e9:6.1f} TFLOP/s  (compile {cs:.1f}s)")
         ROWS.append(dict(kind="time", shape=label, impl=impl, ms=ms, tflops=flops / ms / 1e9, compile_s=cs))
 
-    _bwd_sweep(*_inputs(B, 32, 8, L, D), mm, configs, row, interpret=interpret)
+    _bwd_sweep(*attention_inputs(B, 32, 8, L, D), mm, configs, row, interpret=interpret)
 
 
 SHIPPED_D128 = ("dkv 64/128 w8 s3 dq 128/128 w8", C(64, 128, 128, 128, 8, 8, 3, 2))   # session 3 default
