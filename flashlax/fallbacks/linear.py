@@ -423,10 +423,14 @@ def _chunked_bwd(scale, chunk_size, fat, res, cotangents):
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
 
 
-def _run_chunked(q, k, v, log_alpha, beta, scale, initial_state, return_final_state, chunk_size, fat):
+def _run_chunked(q, k, v, log_alpha, beta, scale, initial_state, return_final_state, chunk_size, fat,
+                 by_slice=False):
     if initial_state is None:
         initial_state = jnp.zeros(q.shape[:2] + (q.shape[-1], v.shape[-1]), _compute_dtype(q, k, v))
-    o, final = _chunked(q, k, v, log_alpha, beta, initial_state, float(scale), int(chunk_size), fat)
+    if by_slice:
+        o, final = _chunked_by_slice(q, k, v, log_alpha, beta, initial_state, float(scale), int(chunk_size))
+    else:
+        o, final = _chunked(q, k, v, log_alpha, beta, initial_state, float(scale), int(chunk_size), fat)
     return (o, final) if return_final_state else o
 
 
@@ -469,14 +473,6 @@ def _chunked_by_slice_bwd(scale, chunk_size, res, cotangents):
 _chunked_by_slice.defvjp(_chunked_by_slice_fwd, _chunked_by_slice_bwd)
 
 
-def _sequential_heads(q, k, v, log_alpha, beta, scale, initial_state, return_final_state, chunk_size, fat):
-    del fat
-    if initial_state is None:
-        initial_state = jnp.zeros(q.shape[:2] + (q.shape[-1], v.shape[-1]), _compute_dtype(q, k, v))
-    o, final = _chunked_by_slice(q, k, v, log_alpha, beta, initial_state, float(scale), int(chunk_size))
-    return (o, final) if return_final_state else o
-
-
 @functools.partial(jax.jit, static_argnames=_STATIC + ("sequential_heads",))
 def gated_delta_rule_chunked(q, k, v, log_alpha, beta=None, *, scale: float, initial_state=None,
                              return_final_state: bool = False, chunk_size: int = 64,
@@ -487,8 +483,8 @@ def gated_delta_rule_chunked(q, k, v, log_alpha, beta=None, *, scale: float, ini
     then runs the reverse scan. Shapes as :func:`gated_delta_rule_recurrent`. ``sequential_heads``: one
     (batch, head) slice at a time (:func:`_chunked_by_slice`; the dispatcher's choice on CPU).
     """
-    run = _sequential_heads if sequential_heads else _run_chunked
-    return run(q, k, v, log_alpha, beta, scale, initial_state, return_final_state, chunk_size, fat=False)
+    return _run_chunked(q, k, v, log_alpha, beta, scale, initial_state, return_final_state, chunk_size,
+                        fat=False, by_slice=sequential_heads)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
