@@ -291,8 +291,8 @@ def test_bwd_is_deterministic():
 
 
 def test_no_block_mask_and_refit_mask_agree():
-    """block_mask=None (no mask: the backward builds its own all-full mask) gives the same bits as an
-    all-full mask with the backward's tiles; a causal mask whose tiles (16, 16) are smaller than the
+    """block_mask=None (no mask: the backward's dense loops) gives the same bits as an all-full mask with
+    the backward's tiles; a causal mask whose tiles (16, 16) are smaller than the
     config's is rebuilt and agrees with one built at the config's tiles."""
     rng = np.random.default_rng(11)
     bsz, hq, hkv, length, d = 1, 4, 2, 45, 32

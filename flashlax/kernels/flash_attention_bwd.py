@@ -488,10 +488,9 @@ def flash_attention_bwd(q, k, v, out, lse, dout, *, block_mask: BlockMask | None
     if dense:
         # No mask: every tile is full. The kernels step through all tiles with static trip counts and
         # get placeholder mask refs they never read (no index arrays to build or load).
-        mask_bq = max(bwd.block_q_dkv, bwd.block_q_dq)
-        mask_bkv = max(bwd.block_kv_dkv, bwd.block_kv_dq)
+        mask_bq, mask_bkv = _preferred_tiles(bwd)
         bm_dep = hm_dep = False
-        mask_mod = None          # block_mask=None means no mask (as _fit_block_mask has it)
+        mask_mod = None          # block_mask=None means no mask, whatever mask_mod says
         num0, idx0 = jnp.zeros((1, 1, 1), jnp.int32), jnp.zeros((1, 1, 1, 1), jnp.int32)
         t_mask = r_mask = (num0, idx0, num0, idx0, num0, num0)
     else:
@@ -568,6 +567,12 @@ def flash_attention_bwd(q, k, v, out, lse, dout, *, block_mask: BlockMask | None
     return dq, dk, dv_out, dcap
 
 
+def _preferred_tiles(bwd: BwdConfig) -> tuple[int, int]:
+    """(query, key) tile of the block mask the backward prefers: the larger tile of its two passes on each
+    axis, so both passes' tiles divide it."""
+    return max(bwd.block_q_dkv, bwd.block_q_dq), max(bwd.block_kv_dkv, bwd.block_kv_dq)
+
+
 def _fit_block_mask(block_mask, mask_mod, cap, bsz, hq, lq, lkv, bwd: BwdConfig) -> BlockMask:
     """A block mask whose tiles the backward tiles divide.
 
@@ -575,12 +580,9 @@ def _fit_block_mask(block_mask, mask_mod, cap, bsz, hq, lq, lkv, bwd: BwdConfig)
     smaller than (or not a multiple of) the backward's preferred tiles, the mask is rebuilt from its
     mask_mod with tiles (max block_q, max block_kv) of the config (one XLA pass over the mask plane);
     without a mask_mod the given tiles are kept and the kernels use the largest dividing sub-tiles.
-    ``block_mask=None`` means no mask: every tile full.
+    (``block_mask=None``, no mask, never gets here: the wrapper runs the dense loops.)
     """
-    tq = max(bwd.block_q_dkv, bwd.block_q_dq)
-    tkv = max(bwd.block_kv_dkv, bwd.block_kv_dq)
-    if block_mask is None:
-        return masks_lib.create_block_mask(None, None, None, lq, lkv, block_q=tq, block_kv=tkv)
+    tq, tkv = _preferred_tiles(bwd)
     if (block_mask.block_q % tq == 0 and block_mask.block_kv % tkv == 0) or mask_mod is None:
         return block_mask
     bm_b, bm_h = block_mask.kv_num_blocks.shape[:2]
