@@ -152,29 +152,31 @@ def _f32_imm(x: float) -> str:
     return "0f" + struct.pack(">f", float(x)).hex().upper()
 
 
-def exp2_fma(x, a: float, b, interpret: bool = False):
-    """2**(x * a + b) in float32: x [m, n], a a Python float, b broadcastable to x (a per-row [m, 1]).
-    On the GPU one ``fma.rn.f32`` and one ``ex2.approx.ftz.f32`` per element (inline PTX, so the multiply
-    and the add cannot end up as two instructions). Interpreted: jnp.exp2(x * a + b)."""
+def _fma_asm(x, a: float, b, then_ex2: bool, interpret: bool):
+    """x * a + b (then 2** of it) in float32; on the GPU one inline-PTX ``fma.rn.f32`` (and one
+    ``ex2.approx.ftz.f32``) per element, so the multiply and the add cannot end up as two instructions."""
     b = jnp.broadcast_to(jnp.asarray(b, jnp.float32), x.shape)
     if interpret or x.dtype != jnp.float32:
-        return jnp.exp2(x * a + b)
-    asm = "{ .reg .f32 t; fma.rn.f32 t, $1, " + _f32_imm(a) + ", $2; ex2.approx.ftz.f32 $0, t; }"
+        y = x * a + b
+        return jnp.exp2(y) if then_ex2 else y
+    fma_ptx = "fma.rn.f32 {dst}, $1, " + _f32_imm(a) + ", $2;"
+    asm = ("{ .reg .f32 t; " + fma_ptx.format(dst="t") + " ex2.approx.ftz.f32 $0, t; }" if then_ex2
+           else fma_ptx.format(dst="$0"))
     [out] = plgpu.elementwise_inline_asm(asm, args=[x, b], constraints="=f,f,f", pack=1,
                                          result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, x.dtype)])
     return out
 
 
+def exp2_fma(x, a: float, b, interpret: bool = False):
+    """2**(x * a + b) in float32: x [m, n], a a Python float, b broadcastable to x (a per-row [m, 1]).
+    On the GPU one FMA and one ex2 per element (:func:`_fma_asm`). Interpreted: jnp.exp2(x * a + b)."""
+    return _fma_asm(x, a, b, True, interpret)
+
+
 def fma(x, a: float, b, interpret: bool = False):
     """x * a + b in float32 with one ``fma.rn.f32`` per element on the GPU (x [m, n], a a Python float, b
     broadcastable to x)."""
-    b = jnp.broadcast_to(jnp.asarray(b, jnp.float32), x.shape)
-    if interpret or x.dtype != jnp.float32:
-        return x * a + b
-    [out] = plgpu.elementwise_inline_asm("fma.rn.f32 $0, $1, " + _f32_imm(a) + ", $2;", args=[x, b],
-                                         constraints="=f,f,f", pack=1,
-                                         result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, x.dtype)])
-    return out
+    return _fma_asm(x, a, b, False, interpret)
 
 
 def softmax_update(s, m_prev, l_prev, mult: float, interpret: bool = False):
