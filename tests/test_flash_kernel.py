@@ -140,6 +140,22 @@ def test_query_tile_major_launch_order():
             _check(out, lse, *_reference(q, k, v, None, mask_mod))
 
 
+@pytest.mark.parametrize("lkv", [93, 96, 128])
+@pytest.mark.parametrize("mask", ["causal", "window", "document", "striped"])
+def test_kernel_kv_tiles_inside_mask_tiles(mask, lkv):
+    """Block-mask KV tiles spanning several kernel KV tiles (64-key mask tiles, 16-key kernel tiles: 4 per
+    mask tile): leading runs, listed full tiles (striped) and partial tiles all step through the sub-tiles;
+    Lkv 93 / 96 leaves kernel tiles wholly past the end inside the last mask tile (96 is a multiple of the
+    kernel tile, so the loads must still be masked), 128 none. GQA, packed and per-head programs."""
+    q, k, v = _inputs(11, 2, 4, 2, 77, lkv, 32)
+    score_mod, mask_mod = _mods(mask, None, 2, 4, 77, lkv)
+    bm = create_block_mask(mask_mod, None if mask != "document" else 2, None, 77, lkv, block_q=16, block_kv=64)
+    ref = _reference(q, k, v, None, mask_mod)
+    for cfg in (FlashConfig(16, 16, 4, 1), FlashConfig(32, 16, 4, 1, pack_gqa=True)):
+        out, lse = _run(q, k, v, config=cfg, mask_mod=mask_mod, block_mask=bm)
+        _check(out, lse, *ref)
+
+
 @pytest.mark.parametrize("scale", [-0.4, 0.0])
 def test_nonpositive_scale(scale):
     """The forward folds a positive scale into the exponent's FMA and takes the running max on unscaled
@@ -302,6 +318,23 @@ def test_gpu_realistic_shapes(dtype, mask):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mask", ["causal", "document"])
+def test_gpu_default_block_mask_spans_kernel_tiles(mask):
+    """A default (128 x 128) BlockMask with the H200 D128 bf16 forward (64-key kernel tiles: two per mask
+    tile); Lkv 960 is a multiple of the kernel tile but not of the mask tile, so the last mask tile's
+    second half lies past the end."""
+    assert on_gpu()
+    bsz, hq, hkv, length, d = 2, 8, 2, 960, 128
+    q, k, v = _inputs(22, bsz, hq, hkv, length, length, d, dtype=jnp.bfloat16)
+    _, mask_mod = _mods(mask, None, bsz, hq, length, length)
+    bm = create_block_mask(mask_mod, bsz if mask == "document" else None, None, length, length)
+    out, lse = jax.jit(lambda q, k, v: flex_attention_pallas(q, k, v, block_mask=bm, return_lse=True))(q, k, v)
+    ref_out, ref_lse = attention_reference(*(x.astype(jnp.float32) for x in (q, k, v)), mask_mod=mask_mod)
+    assert rel_err(out, ref_out) < TOLERANCES["bfloat16"]
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.gpu
 def test_gpu_deterministic_and_mods():
     assert on_gpu()
     q, k, v = _inputs(21, 1, 8, 2, 777, 777, 96, dtype=jnp.bfloat16)
@@ -314,17 +347,17 @@ def test_gpu_deterministic_and_mods():
     assert rel_err(a, ref) < TOLERANCES["bfloat16"]
 
 
-@pytest.mark.parametrize("q_major", [False, True])
-def test_forward_lowers_to_triton(q_major):
+@pytest.mark.parametrize("q_major,mask_mod", [(False, masks.causal), (True, masks.causal), (False, None)])
+def test_forward_lowers_to_triton(q_major, mask_mod):
     """The forward kernel (inline-PTX FMA + ex2, both launch orders, an implicit causal mask built while
     tracing for another platform) goes through the Pallas Triton lowering for an abstract H200."""
     abstract = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="gpu")
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=abstract)
-    cfg = FlashConfig(128, 128, 8, 3, q_major=q_major)
+    cfg = FlashConfig(128, 64, 4, 2, q_major=q_major)
     sd = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)  # noqa: E731
 
     def f(q, k, v):
-        return flex_attention_pallas(q, k, v, mask_mod=masks.causal, config=cfg, device_kind="NVIDIA H200")
+        return flex_attention_pallas(q, k, v, mask_mod=mask_mod, config=cfg, device_kind="NVIDIA H200")
 
     with jax.sharding.use_abstract_mesh(mesh):
         text = jax.jit(f).trace(sd(1, 4, 300, 128), sd(1, 2, 300, 128), sd(1, 2, 300, 128)).lower(
