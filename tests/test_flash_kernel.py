@@ -347,17 +347,21 @@ def test_gpu_deterministic_and_mods():
     assert rel_err(a, ref) < TOLERANCES["bfloat16"]
 
 
-@pytest.mark.parametrize("q_major,mask_mod", [(False, masks.causal), (True, masks.causal), (False, None)])
-def test_forward_lowers_to_triton(q_major, mask_mod):
+@pytest.mark.parametrize("q_major,mask", [(False, "implicit"), (True, "implicit"), (False, "block_mask"), (False, None)])
+def test_forward_lowers_to_triton(q_major, mask):
     """The forward kernel (inline-PTX FMA + ex2, both launch orders, an implicit causal mask built while
-    tracing for another platform) goes through the Pallas Triton lowering for an abstract H200."""
+    tracing for another platform, a default 128 x 128 BlockMask over 64-key kernel tiles, no mask) goes
+    through the Pallas Triton lowering for an abstract H200."""
     abstract = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="gpu")
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=abstract)
     cfg = FlashConfig(128, 64, 4, 2, q_major=q_major)
     sd = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)  # noqa: E731
+    bm = create_block_mask(masks.causal, None, None, 300, 300) if mask == "block_mask" else None
+    mask_mod = masks.causal if mask == "implicit" else None
 
     def f(q, k, v):
-        return flex_attention_pallas(q, k, v, mask_mod=mask_mod, config=cfg, device_kind="NVIDIA H200")
+        return flex_attention_pallas(q, k, v, mask_mod=mask_mod, block_mask=bm, config=cfg,
+                                     device_kind="NVIDIA H200")
 
     with jax.sharding.use_abstract_mesh(mesh):
         text = jax.jit(f).trace(sd(1, 4, 300, 128), sd(1, 2, 300, 128), sd(1, 2, 300, 128)).lower(

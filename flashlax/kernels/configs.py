@@ -108,9 +108,7 @@ FWD_CONFIGS: dict[str, dict[tuple[int, str], FlashConfig]] = {
     # CUDA cores (IEEE, no tf32): large tiles spill registers (64x64 took 11x longer than 64x32).
     "h200": {
         (64, "16"): FlashConfig(128, 128, 4, 3),
-        # 96 KB of shared memory: two programs per SM, whose softmax and matmuls overlap (session 5:
-        # B2 T4096 full 1.211 -> 1.168 ms, causal 0.666 -> 0.628 vs 128/128 w8 s3, one program per SM)
-        (128, "16"): FlashConfig(128, 64, 4, 2),
+        (128, "16"): FlashConfig(128, 128, 8, 3),
         (256, "16"): FlashConfig(128, 64, 8, 2),
         (64, "32"): FlashConfig(64, 32, 4, 3),
         (128, "32"): FlashConfig(64, 32, 4, 3),
@@ -127,16 +125,29 @@ FWD_CONFIGS: dict[str, dict[tuple[int, str], FlashConfig]] = {
 }
 FWD_CONFIGS["default"] = FWD_CONFIGS["rtx3090"]
 
+# Unmasked calls (no block mask, no mask_mod: the dense loop), where they differ from the table above.
+# H200 D128 bf16: 128/64 w4 s2 needs 96 KB of shared memory, so two programs share an SM and one's
+# matmuls fill the other's softmax (128/128 w8 s3 needs ~224 KB: one per SM). Session 5, B2 T4096 full
+# forward 1.211 -> 1.155-1.168 ms (scripts/gpu_ab.py, two calls), 1.14 vs torch flex 1.20 in the benchmark.
+# It is also faster on causal (0.666 -> 0.628-0.643 ms with a 128 x 64 block mask) but masked calls keep
+# 128/128 until the sub-tiled block-mask loops (mask tiles of 128 keys, kernel tiles of 64) have run on a GPU.
+FWD_DENSE_CONFIGS: dict[str, dict[tuple[int, str], FlashConfig]] = {
+    "h200": {(128, "16"): FlashConfig(128, 64, 4, 2)},
+    "rtx3090": {},
+    "default": {},
+}
+
 
 def flash_config(head_dim: int, head_dim_v: int | None = None, dtype=jnp.bfloat16,
-                 device_kind: str | None = None) -> FlashConfig:
-    """The forward config for this device kind, head dims and input dtype."""
+                 device_kind: str | None = None, dense: bool = False) -> FlashConfig:
+    """The forward config for this device kind, head dims and input dtype; ``dense``: for an unmasked call."""
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     d = max(_pow2(head_dim), _pow2(head_dim_v))
     if d > 256:
         raise ValueError(f"flash_config: head dims up to 256 are supported, got ({head_dim}, {head_dim_v})")
     cls = "32" if jnp.dtype(dtype).itemsize >= 4 else "16"
-    table = FWD_CONFIGS[device_family(device_kind)]
+    family = device_family(device_kind)
+    table = {**FWD_CONFIGS[family], **FWD_DENSE_CONFIGS[family]} if dense else FWD_CONFIGS[family]
     for max_d in (64, 128, 256):
         if d <= max_d:
             return table[(max_d, cls)]

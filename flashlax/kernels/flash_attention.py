@@ -37,7 +37,6 @@ from flashlax.kernels._tiles import LOG2E, TileMod, pow2
 from flashlax.kernels.configs import FlashConfig, check_config, flash_config, shrink_to_fit
 
 _SUPPORTED_TILES = (16, 32, 64, 128, 256)
-_MASK_BLOCK_KV = 128      # KV tile of the block masks built here (create_block_mask's default)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -348,14 +347,13 @@ def _resolve_block_mask(block_mask, mask_mod, cfg: FlashConfig, pack: int, bsz, 
     """Returns (block_mask or None, config, kv_sub): a block mask whose query tiles are the kernel's
     (block_q // pack rows per head) and whose KV tiles each span ``kv_sub`` kernel KV tiles.
 
-    A block mask's KV tiles may be a multiple of the kernel's (the H200 D128 forward steps 64 keys inside
-    the default 128-key mask tiles); a mask built here uses KV tiles of at least 128 keys (create_block_mask's
-    default, which the backward's tiles are tuned for), fewer only for short sequences."""
+    A given mask is used as is when its query tile is the config's and its KV tile a multiple of the
+    config's (e.g. 64-key kernel tiles inside create_block_mask's default 128-key tiles); otherwise its
+    tiles become the kernel's when they fit, else it is rebuilt from its mask_mod with the config's tiles.
+    """
     def build(b_dim, h_dim):
-        mask_kv = max(cfg.block_kv, min(_MASK_BLOCK_KV, pow2(lkv)))
-        bm = masks_lib.create_block_mask(mask_mod, b_dim, h_dim, lq, lkv, block_q=cfg.block_q // pack,
-                                         block_kv=mask_kv)
-        return bm, cfg, mask_kv // cfg.block_kv
+        return masks_lib.create_block_mask(mask_mod, b_dim, h_dim, lq, lkv, block_q=cfg.block_q // pack,
+                                           block_kv=cfg.block_kv), cfg, 1
 
     if block_mask is None:
         if mask_mod is None:
@@ -363,11 +361,12 @@ def _resolve_block_mask(block_mask, mask_mod, cfg: FlashConfig, pack: int, bsz, 
         return build(*_mod_extent(mask_mod, bsz, hq))
     bm_b, bm_h, bm_q, bm_kv = block_mask.shape
     tiles = (block_mask.block_q, block_mask.block_kv)
+    if tiles[0] * pack == cfg.block_q and tiles[1] % cfg.block_kv == 0:
+        return block_mask, cfg, tiles[1] // cfg.block_kv
     if tiles[0] * pack in _SUPPORTED_TILES and tiles[1] in _SUPPORTED_TILES:
-        kv = cfg.block_kv if tiles[1] % cfg.block_kv == 0 else tiles[1]
-        tuned = dataclasses.replace(cfg, block_q=tiles[0] * pack, block_kv=kv)
+        tuned = dataclasses.replace(cfg, block_q=tiles[0] * pack, block_kv=tiles[1])
         if fits(tuned):
-            return block_mask, tuned, tiles[1] // kv
+            return block_mask, tuned, 1
     if mask_mod is None:
         raise ValueError(f"flex_attention_pallas: block_mask tiles {tiles} are not a supported kernel tile "
                          f"(powers of two 16..256 within the shared-memory budget) and there is no mask_mod "
@@ -408,7 +407,8 @@ def flex_attention_pallas(q, k, v, *, score_mod=None, mask_mod=None, block_mask=
     if kind is None:
         kind = jax.devices()[0].device_kind if not interpret else "cpu-interpret"
     if config is None:
-        cfg = shrink_to_fit(flash_config(d, dv, q.dtype, kind), d, dv, q.dtype, kind, tile_reads)
+        dense = block_mask is None and mask_mod is None
+        cfg = shrink_to_fit(flash_config(d, dv, q.dtype, kind, dense=dense), d, dv, q.dtype, kind, tile_reads)
         # Do not launch tiles far longer than the sequence (tiny inputs).
         groups = hq // k.shape[1]
         rows = max(16, pow2(lq) * (groups if cfg.pack_gqa else 1))
