@@ -347,7 +347,8 @@ def test_gpu_deterministic_and_mods():
     assert rel_err(a, ref) < TOLERANCES["bfloat16"]
 
 
-@pytest.mark.parametrize("q_major,mask", [(False, "implicit"), (True, "implicit"), (False, "block_mask"), (False, None)])
+@pytest.mark.parametrize("q_major,mask", [(False, "implicit"), (True, "implicit"), (False, "block_mask"),
+                                          (False, None)])
 def test_forward_lowers_to_triton(q_major, mask):
     """The forward kernel (inline-PTX FMA + ex2, both launch orders, an implicit causal mask built while
     tracing for another platform, a default 128 x 128 BlockMask over 64-key kernel tiles, no mask) goes

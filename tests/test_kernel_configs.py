@@ -15,9 +15,9 @@ KINDS = {"h200": "NVIDIA H200", "rtx3090": "NVIDIA GeForce RTX 3090", "default":
 
 
 def _entries(family):
-    for table in (FWD_CONFIGS, FWD_DENSE_CONFIGS):
-        for (max_d, cls), cfg in table[family].items():
-            yield max_d, (jnp.float32 if cls == "32" else jnp.bfloat16), cfg
+    entries = list(FWD_CONFIGS[family].items()) + [(k, cfg) for k, (_, cfg) in FWD_DENSE_CONFIGS[family].items()]
+    for (max_d, cls), cfg in entries:
+        yield max_d, (jnp.float32 if cls == "32" else jnp.bfloat16), cfg
 
 
 def test_rtx3090_entries_fit_99kb():
@@ -43,8 +43,11 @@ def test_every_family_covers_head_dims_and_dtypes():
                 cfg = flash_config(d, d, dtype, kind)
                 check_config(cfg, d, d, dtype, kind)
     assert flash_config(128, 128, jnp.bfloat16, KINDS["h200"]) == FWD_CONFIGS["h200"][(128, "16")]
-    assert flash_config(128, 128, jnp.bfloat16, KINDS["h200"], dense=True) == FWD_DENSE_CONFIGS["h200"][(128, "16")]
-    assert flash_config(64, 64, jnp.bfloat16, KINDS["h200"], dense=True) == FWD_CONFIGS["h200"][(64, "16")]
+    max_kv, dense = FWD_DENSE_CONFIGS["h200"][(128, "16")]
+    assert flash_config(128, 128, jnp.bfloat16, KINDS["h200"], dense_kv_len=max_kv) == dense
+    longer = flash_config(128, 128, jnp.bfloat16, KINDS["h200"], dense_kv_len=max_kv + 1)
+    assert longer == FWD_CONFIGS["h200"][(128, "16")]
+    assert flash_config(64, 64, jnp.bfloat16, KINDS["h200"], dense_kv_len=64) == FWD_CONFIGS["h200"][(64, "16")]
     assert flash_config(96, 64, jnp.float32, KINDS["rtx3090"]) == FWD_CONFIGS["rtx3090"][(128, "32")]
 
 

@@ -125,32 +125,39 @@ FWD_CONFIGS: dict[str, dict[tuple[int, str], FlashConfig]] = {
 }
 FWD_CONFIGS["default"] = FWD_CONFIGS["rtx3090"]
 
-# Unmasked calls (no block mask, no mask_mod: the dense loop), where they differ from the table above.
+# Unmasked calls (no block mask, no mask_mod: the dense loop) with at most `max_kv_len` keys, where they
+# differ from the table above: family -> {(max head dim, dtype class): (max_kv_len, config)}.
 # H200 D128 bf16: 128/64 w4 s2 needs 96 KB of shared memory, so two programs share an SM and one's
 # matmuls fill the other's softmax (128/128 w8 s3 needs ~224 KB: one per SM). Session 5, B2 T4096 full
-# forward 1.211 -> 1.155-1.168 ms (scripts/gpu_ab.py, two calls), 1.14 vs torch flex 1.20 in the benchmark.
-# It is also faster on causal (0.666 -> 0.628-0.643 ms with a 128 x 64 block mask) but masked calls keep
-# 128/128 until the sub-tiled block-mask loops (mask tiles of 128 keys, kernel tiles of 64) have run on a GPU.
-FWD_DENSE_CONFIGS: dict[str, dict[tuple[int, str], FlashConfig]] = {
-    "h200": {(128, "16"): FlashConfig(128, 64, 4, 2)},
+# forward 1.211 -> 1.155-1.168 ms (scripts/gpu_ab.py, two calls), 1.14 vs torch flex 1.20 in the benchmark;
+# but B1 T16384 full took 11.0 ms in that benchmark run against 9.08 with 128/128 in session 4 (one run,
+# not understood), so longer sequences keep 128/128 until lengths between 4096 and 16384 are measured.
+# It is also faster on causal T4096 (0.666 -> 0.628-0.643 ms with a 128 x 64 block mask), but masked calls
+# keep 128/128 until the sub-tiled block-mask loops (128-key mask tiles, 64-key kernel tiles) have run on
+# a GPU (docs/PERF_NOTES.md, session 5).
+FWD_DENSE_CONFIGS: dict[str, dict[tuple[int, str], tuple[int, FlashConfig]]] = {
+    "h200": {(128, "16"): (4096, FlashConfig(128, 64, 4, 2))},
     "rtx3090": {},
     "default": {},
 }
 
 
 def flash_config(head_dim: int, head_dim_v: int | None = None, dtype=jnp.bfloat16,
-                 device_kind: str | None = None, dense: bool = False) -> FlashConfig:
-    """The forward config for this device kind, head dims and input dtype; ``dense``: for an unmasked call."""
+                 device_kind: str | None = None, dense_kv_len: int | None = None) -> FlashConfig:
+    """The forward config for this device kind, head dims and input dtype; ``dense_kv_len``: the number of
+    keys of an unmasked call (None: a masked call)."""
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     d = max(_pow2(head_dim), _pow2(head_dim_v))
     if d > 256:
         raise ValueError(f"flash_config: head dims up to 256 are supported, got ({head_dim}, {head_dim_v})")
     cls = "32" if jnp.dtype(dtype).itemsize >= 4 else "16"
     family = device_family(device_kind)
-    table = {**FWD_CONFIGS[family], **FWD_DENSE_CONFIGS[family]} if dense else FWD_CONFIGS[family]
     for max_d in (64, 128, 256):
         if d <= max_d:
-            return table[(max_d, cls)]
+            max_kv, dense = FWD_DENSE_CONFIGS[family].get((max_d, cls), (0, None))
+            if dense is not None and dense_kv_len is not None and dense_kv_len <= max_kv:
+                return dense
+            return FWD_CONFIGS[family][(max_d, cls)]
     raise AssertionError("unreachable")
 
 

@@ -407,8 +407,8 @@ def flex_attention_pallas(q, k, v, *, score_mod=None, mask_mod=None, block_mask=
     if kind is None:
         kind = jax.devices()[0].device_kind if not interpret else "cpu-interpret"
     if config is None:
-        dense = block_mask is None and mask_mod is None
-        cfg = shrink_to_fit(flash_config(d, dv, q.dtype, kind, dense=dense), d, dv, q.dtype, kind, tile_reads)
+        dense_kv_len = lkv if block_mask is None and mask_mod is None else None
+        cfg = shrink_to_fit(flash_config(d, dv, q.dtype, kind, dense_kv_len), d, dv, q.dtype, kind, tile_reads)
         # Do not launch tiles far longer than the sequence (tiny inputs).
         groups = hq // k.shape[1]
         rows = max(16, pow2(lq) * (groups if cfg.pack_gqa else 1))
