@@ -132,9 +132,9 @@ FWD_CONFIGS["default"] = FWD_CONFIGS["rtx3090"]
 # forward 1.211 -> 1.155-1.168 ms (scripts/gpu_ab.py, two calls), 1.14 vs torch flex 1.20 in the benchmark;
 # but B1 T16384 full took 11.0 ms in that benchmark run against 9.08 with 128/128 in session 4 (one run,
 # not understood), so longer sequences keep 128/128 until lengths between 4096 and 16384 are measured.
-# It is also faster on causal T4096 (0.666 -> 0.628-0.643 ms with a 128 x 64 block mask), but masked calls
-# keep 128/128 until the sub-tiled block-mask loops (128-key mask tiles, 64-key kernel tiles) have run on
-# a GPU (docs/PERF_NOTES.md, session 5).
+# It is also faster on causal T4096 (0.666 -> 0.628-0.643 ms with a 128 x 64 block mask), but a masked call
+# adopts its BlockMask's tiles (128 x 128 by default: 128/128 on 4 warps spills), so masked calls keep
+# 128/128 w8 s3 until kernel KV tiles can subdivide mask tiles (docs/PERF_NOTES.md, session 5).
 FWD_DENSE_CONFIGS: dict[str, dict[tuple[int, str], tuple[int, FlashConfig]]] = {
     "h200": {(128, "16"): (4096, FlashConfig(128, 64, 4, 2))},
     "rtx3090": {},
