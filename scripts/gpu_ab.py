@@ -31,21 +31,19 @@ from _gpu_common import attention_inputs as inputs, bench, log, rel  # noqa: E40
 
 C = fab.BwdConfig
 # Variants: edit these dicts for the next experiment (session 4 ran FMA-folded exp2 on/off, a fused
-# dK/dV + dQ launch and flex's 128/64 tiles; docs/PERF_NOTES.md). The first entry of each is the baseline.
-FWD = {   # session 5: two programs per SM (96 KB of shared memory); q-major was 1.5% faster full, 3% slower causal
-    "fwd 128/64 w4 s2 (shipped)": FlashConfig(128, 64, 4, 2),
-    "fwd 128/128 w8 s3 (session 4)": FlashConfig(128, 128, 8, 3),
+# dK/dV + dQ launch and flex's 128/64 tiles; session 5 tiles for two programs per SM, q-major, prefetched
+# scores; docs/PERF_NOTES.md). The first entry of each is the baseline.
+# Next: where the unmasked 128/64 config stops winning (shipped up to 4096 keys; one T16384 run was slower):
+#   --skip-check --shapes "B2 T4096 full" "B1 T8192 full" "B1 T16384 full"
+FWD = {
+    "fwd 128/128 w8 s3 (masked; unmasked > 4096)": FlashConfig(128, 128, 8, 3),
+    "fwd 128/64 w4 s2 (unmasked <= 4096)": FlashConfig(128, 64, 4, 2),
     "fwd 128/64 w4 s2 q-major": FlashConfig(128, 64, 4, 2, q_major=True),
-    "fwd 128/32 w4 s2": FlashConfig(128, 32, 4, 2),
 }
 # name -> (config, index_path): index_path=True gives an unmasked call an all-full 128x128 block mask, so it
 # runs the block-mask loops (index arrays) instead of the dense static loops (session 4's A/B of those).
 BWD = {
     "bwd shipped dense 64/128 128/64 w8 s3 s3": (C(64, 128, 128, 64, 8, 8, 3, 3), False),
-    "bwd shipped masked 64/128 128/128 w8 s3 s2": (C(64, 128, 128, 128, 8, 8, 3, 2), False),
-    "bwd dq 64/64 w4 s2": (C(64, 128, 64, 64, 8, 4, 3, 2), False),
-    "bwd dkv 64/64 w8 s2, dq 64/64 w4 s2": (C(64, 64, 64, 64, 8, 4, 2, 2), False),
-    "bwd dkv 64/64 w8 s2, dq 128/64 w8 s3": (C(64, 64, 128, 64, 8, 8, 2, 3), False),
 }
 ROWS: list[dict] = []
 
