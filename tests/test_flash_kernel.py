@@ -334,14 +334,15 @@ def test_gpu_deterministic_and_mods():
 def test_forward_lowers_to_triton(q_major, mask_mod):
     """The forward kernel (inline-PTX FMA + ex2, both launch orders, an implicit causal mask built while
     tracing for another platform, the unmasked dense loop) goes through the Pallas Triton lowering for an
-    abstract H200, with the shipped D128 configs (masked 128/128 w8 s3, unmasked 128/64 w4 s2)."""
+    abstract H200, with the D128 configs the entry point picks itself (masked 128/128 w8 s3, unmasked
+    128/64 w4 s2) and the query-tile-major order on the masked one."""
     abstract = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="gpu")
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=abstract)
     sd = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)  # noqa: E731
 
     def f(q, k, v):
-        cfg = dataclasses.replace(flash_config(128, 128, jnp.bfloat16, "NVIDIA H200",
-                                               None if mask_mod else 300), q_major=q_major)
+        cfg = dataclasses.replace(flash_config(128, 128, jnp.bfloat16, "NVIDIA H200"), q_major=True) \
+            if q_major else None
         return flex_attention_pallas(q, k, v, mask_mod=mask_mod, config=cfg, device_kind="NVIDIA H200")
 
     with jax.sharding.use_abstract_mesh(mesh):

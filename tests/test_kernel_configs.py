@@ -87,9 +87,9 @@ def test_flash_config_rejects_head_dim_over_256():
 
 def test_tile_gathers_count_and_shrink():
     """A relative-bias score_mod gathers a [block_q, block_kv] tile: at 128x128, 3 stages, D=128 bf16 the
-    estimate is the 360448 bytes Triton asked for on the H200 (session 3's default config), so the automatic
-    config steps down."""
-    cfg = FlashConfig(128, 128, 8, 3)
+    estimate is the 360448 bytes Triton asked for on the H200, so the automatic config steps down."""
+    cfg = FWD_CONFIGS["h200"][(128, "16")]
+    assert (cfg.block_q, cfg.block_kv, cfg.num_stages) == (128, 128, 3)
     assert smem_bytes(cfg, 128, 128, jnp.bfloat16, p_in_smem=False, tile_reads=1) == 360448
     with pytest.raises(ValueError, match="captured"):
         check_config(cfg, 128, 128, jnp.bfloat16, KINDS["h200"], tile_reads=1)
