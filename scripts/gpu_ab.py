@@ -33,18 +33,16 @@ C = fab.BwdConfig
 # Variants: edit these dicts for the next experiment (session 4 ran FMA-folded exp2 on/off, a fused
 # dK/dV + dQ launch and flex's 128/64 tiles; session 5 tiles for two programs per SM, q-major, prefetched
 # scores; docs/PERF_NOTES.md). The first entry of each is the baseline.
-# Next: where the unmasked 128/64 config stops winning (shipped up to 4096 keys; one T16384 run was slower):
-#   --skip-check --shapes "B2 T4096 full" "B1 T8192 full" "B1 T16384 full"
+# Session 6: 128/64 w4 s2 for masked calls (64-key kernel tiles inside 128-key mask tiles) and where the
+# unmasked 128/64 config stops winning:
+#   --skip-check --shapes "B2 T4096 causal" "B1 T16384 causal" "B1 T8192 full" "B1 T16384 full"
 FWD = {
-    "fwd 128/128 w8 s3 (masked; unmasked > 4096)": FlashConfig(128, 128, 8, 3),
-    "fwd 128/64 w4 s2 (unmasked <= 4096)": FlashConfig(128, 64, 4, 2),
-    "fwd 128/64 w4 s2 q-major": FlashConfig(128, 64, 4, 2, q_major=True),
+    "fwd 128/128 w8 s3 (unmasked > 4096 keys)": FlashConfig(128, 128, 8, 3),
+    "fwd 128/64 w4 s2 (shipped otherwise)": FlashConfig(128, 64, 4, 2),
 }
 # name -> (config, index_path): index_path=True gives an unmasked call an all-full 128x128 block mask, so it
 # runs the block-mask loops (index arrays) instead of the dense static loops (session 4's A/B of those).
-BWD = {
-    "bwd shipped dense 64/128 128/64 w8 s3 s3": (C(64, 128, 128, 64, 8, 8, 3, 3), False),
-}
+BWD: dict = {}
 ROWS: list[dict] = []
 
 

@@ -140,6 +140,22 @@ def test_query_tile_major_launch_order():
             _check(out, lse, *_reference(q, k, v, None, mask_mod))
 
 
+@pytest.mark.parametrize("lkv", [93, 96, 128])
+@pytest.mark.parametrize("mask", ["causal", "window", "document", "striped"])
+def test_kernel_kv_tiles_inside_mask_tiles(mask, lkv):
+    """Block-mask KV tiles spanning several kernel KV tiles (64-key mask tiles, 16-key kernel tiles: 4 per
+    mask tile): leading runs, listed full tiles (striped) and partial tiles all step through the sub-tiles;
+    Lkv 93 / 96 leaves kernel tiles wholly past the end inside the last mask tile (96 is a multiple of the
+    kernel tile, so the loads must still be masked), 128 none. GQA, packed and per-head programs."""
+    q, k, v = _inputs(11, 2, 4, 2, 77, lkv, 32)
+    score_mod, mask_mod = _mods(mask, None, 2, 4, 77, lkv)
+    bm = create_block_mask(mask_mod, None if mask != "document" else 2, None, 77, lkv, block_q=16, block_kv=64)
+    ref = _reference(q, k, v, None, mask_mod)
+    for cfg in (FlashConfig(16, 16, 4, 1), FlashConfig(32, 16, 4, 1, pack_gqa=True)):
+        out, lse = _run(q, k, v, config=cfg, mask_mod=mask_mod, block_mask=bm)
+        _check(out, lse, *ref)
+
+
 @pytest.mark.parametrize("scale", [-0.4, 0.0])
 def test_nonpositive_scale(scale):
     """The forward folds a positive scale into the exponent's FMA and takes the running max on unscaled
@@ -304,8 +320,9 @@ def test_gpu_realistic_shapes(dtype, mask):
 @pytest.mark.gpu
 @pytest.mark.parametrize("mask", ["causal", "document"])
 def test_gpu_default_block_mask(mask):
-    """A default (128 x 128) BlockMask passed in, H200 D128 bf16 (the benchmark's way of calling); Lkv 960
-    is a multiple of 64 but not of the 128-key mask tile."""
+    """A default (128 x 128) BlockMask passed in, H200 D128 bf16 (the benchmark's way of calling): the
+    kernel steps two 64-key tiles per mask tile; Lkv 960 is a multiple of 64 but not of 128, so the second
+    half of the last mask tile lies past the end."""
     assert on_gpu()
     bsz, hq, hkv, length, d = 2, 8, 2, 960, 128
     q, k, v = _inputs(22, bsz, hq, hkv, length, length, d, dtype=jnp.bfloat16)
@@ -330,12 +347,14 @@ def test_gpu_deterministic_and_mods():
     assert rel_err(a, ref) < TOLERANCES["bfloat16"]
 
 
-@pytest.mark.parametrize("q_major,mask_mod", [(False, masks.causal), (True, masks.causal), (False, None)])
-def test_forward_lowers_to_triton(q_major, mask_mod):
+@pytest.mark.parametrize("q_major,mask_mod,length", [(False, masks.causal, 300), (True, masks.causal, 300),
+                                                     (False, None, 300), (False, None, 4200)])
+def test_forward_lowers_to_triton(q_major, mask_mod, length):
     """The forward kernel (inline-PTX FMA + ex2, both launch orders, an implicit causal mask built while
-    tracing for another platform, the unmasked dense loop) goes through the Pallas Triton lowering for an
-    abstract H200, with the D128 configs the entry point picks itself (masked 128/128 w8 s3, unmasked
-    128/64 w4 s2) and the query-tile-major order on the masked one."""
+    tracing for another platform, with 64-key kernel tiles inside its 128-key mask tiles, the unmasked dense
+    loop) goes through the Pallas Triton lowering for an abstract H200, with the D128 configs the entry point
+    picks itself (128/64 w4 s2; unmasked over 4096 keys 128/128 w8 s3) and the query-tile-major order on a
+    masked one."""
     abstract = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="gpu")
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=abstract)
     sd = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)  # noqa: E731
@@ -346,6 +365,6 @@ def test_forward_lowers_to_triton(q_major, mask_mod):
         return flex_attention_pallas(q, k, v, mask_mod=mask_mod, config=cfg, device_kind="NVIDIA H200")
 
     with jax.sharding.use_abstract_mesh(mesh):
-        text = jax.jit(f).trace(sd(1, 4, 300, 128), sd(1, 2, 300, 128), sd(1, 2, 300, 128)).lower(
+        text = jax.jit(f).trace(sd(1, 4, length, 128), sd(1, 2, length, 128), sd(1, 2, length, 128)).lower(
             lowering_platforms=("cuda",)).as_text()
     assert "flex_attention_fwd" in text

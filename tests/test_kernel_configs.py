@@ -8,14 +8,14 @@ import jax.numpy as jnp
 import pytest
 
 from flashlax.kernels import configs
-from flashlax.kernels.configs import (FWD_CONFIGS, FWD_DENSE_CONFIGS, SMEM_LIMITS, FlashConfig, check_config,
+from flashlax.kernels.configs import (FWD_CONFIGS, FWD_LONG_DENSE_CONFIGS, SMEM_LIMITS, FlashConfig, check_config,
                                       flash_config, smem_bytes)
 
 KINDS = {"h200": "NVIDIA H200", "rtx3090": "NVIDIA GeForce RTX 3090", "default": "Some Future GPU"}
 
 
 def _entries(family):
-    entries = list(FWD_CONFIGS[family].items()) + [(k, cfg) for k, (_, cfg) in FWD_DENSE_CONFIGS[family].items()]
+    entries = list(FWD_CONFIGS[family].items()) + [(k, cfg) for k, (_, cfg) in FWD_LONG_DENSE_CONFIGS[family].items()]
     for (max_d, cls), cfg in entries:
         yield max_d, (jnp.float32 if cls == "32" else jnp.bfloat16), cfg
 
@@ -43,10 +43,10 @@ def test_every_family_covers_head_dims_and_dtypes():
                 cfg = flash_config(d, d, dtype, kind)
                 check_config(cfg, d, d, dtype, kind)
     assert flash_config(128, 128, jnp.bfloat16, KINDS["h200"]) == FWD_CONFIGS["h200"][(128, "16")]
-    max_kv, dense = FWD_DENSE_CONFIGS["h200"][(128, "16")]
-    assert flash_config(128, 128, jnp.bfloat16, KINDS["h200"], dense_kv_len=max_kv) == dense
-    longer = flash_config(128, 128, jnp.bfloat16, KINDS["h200"], dense_kv_len=max_kv + 1)
-    assert longer == FWD_CONFIGS["h200"][(128, "16")]
+    min_kv, long = FWD_LONG_DENSE_CONFIGS["h200"][(128, "16")]
+    assert long != FWD_CONFIGS["h200"][(128, "16")]
+    assert flash_config(128, 128, jnp.bfloat16, KINDS["h200"], dense_kv_len=min_kv) == FWD_CONFIGS["h200"][(128, "16")]
+    assert flash_config(128, 128, jnp.bfloat16, KINDS["h200"], dense_kv_len=min_kv + 1) == long
     assert flash_config(64, 64, jnp.bfloat16, KINDS["h200"], dense_kv_len=64) == FWD_CONFIGS["h200"][(64, "16")]
     assert flash_config(96, 64, jnp.float32, KINDS["rtx3090"]) == FWD_CONFIGS["rtx3090"][(128, "32")]
 
@@ -87,8 +87,9 @@ def test_flash_config_rejects_head_dim_over_256():
 
 def test_tile_gathers_count_and_shrink():
     """A relative-bias score_mod gathers a [block_q, block_kv] tile: at 128x128, 3 stages, D=128 bf16 the
-    estimate is the 360448 bytes Triton asked for on the H200, so the automatic config steps down."""
-    cfg = FWD_CONFIGS["h200"][(128, "16")]
+    estimate is the 360448 bytes Triton asked for on the H200 (with the long unmasked config), so the
+    automatic config steps down."""
+    cfg = FWD_LONG_DENSE_CONFIGS["h200"][(128, "16")][1]
     assert (cfg.block_q, cfg.block_kv, cfg.num_stages) == (128, 128, 3)
     assert smem_bytes(cfg, 128, 128, jnp.bfloat16, p_in_smem=False, tile_reads=1) == 360448
     with pytest.raises(ValueError, match="captured"):

@@ -108,7 +108,9 @@ FWD_CONFIGS: dict[str, dict[tuple[int, str], FlashConfig]] = {
     # CUDA cores (IEEE, no tf32): large tiles spill registers (64x64 took 11x longer than 64x32).
     "h200": {
         (64, "16"): FlashConfig(128, 128, 4, 3),
-        (128, "16"): FlashConfig(128, 128, 8, 3),
+        # 96 KB: two programs per SM (see FWD_LONG_DENSE_CONFIGS); masked calls step 64-key kernel tiles
+        # inside the default 128-key block-mask tiles (kv_sub in flash_attention.py).
+        (128, "16"): FlashConfig(128, 64, 4, 2),
         (256, "16"): FlashConfig(128, 64, 8, 2),
         (64, "32"): FlashConfig(64, 32, 4, 3),
         (128, "32"): FlashConfig(64, 32, 4, 3),
@@ -125,18 +127,15 @@ FWD_CONFIGS: dict[str, dict[tuple[int, str], FlashConfig]] = {
 }
 FWD_CONFIGS["default"] = FWD_CONFIGS["rtx3090"]
 
-# Unmasked calls (no block mask, no mask_mod: the dense loop) with at most `max_kv_len` keys, where they
-# differ from the table above: family -> {(max head dim, dtype class): (max_kv_len, config)}.
-# H200 D128 bf16: 128/64 w4 s2 needs 96 KB of shared memory, so two programs share an SM and one's
-# matmuls fill the other's softmax (128/128 w8 s3 needs ~224 KB: one per SM). Session 5, B2 T4096 full
-# forward 1.211 -> 1.155-1.168 ms (scripts/gpu_ab.py, two calls), 1.14 vs torch flex 1.20 in the benchmark;
-# but B1 T16384 full took 11.0 ms in that benchmark run against 9.08 with 128/128 in session 4 (one run,
-# not understood), so longer sequences keep 128/128 until lengths between 4096 and 16384 are measured.
-# It is also faster on causal T4096 (0.666 -> 0.628-0.643 ms with a 128 x 64 block mask), but a masked call
-# adopts its BlockMask's tiles (128 x 128 by default: 128/128 on 4 warps spills), so masked calls keep
-# 128/128 w8 s3 until kernel KV tiles can subdivide mask tiles (docs/PERF_NOTES.md, session 5).
-FWD_DENSE_CONFIGS: dict[str, dict[tuple[int, str], tuple[int, FlashConfig]]] = {
-    "h200": {(128, "16"): (4096, FlashConfig(128, 64, 4, 2))},
+# Unmasked calls (no block mask, no mask_mod: the dense loop) with more than `min_kv_len` keys, where they
+# differ from the table above: family -> {(max head dim, dtype class): (min_kv_len, config)}.
+# H200 D128 bf16: the table's 128/64 w4 s2 needs 96 KB of shared memory, so two programs share an SM and
+# one's matmuls fill the other's softmax (128/128 w8 s3 needs ~224 KB: one per SM). Session 5, B2 T4096 full
+# forward 1.211 -> 1.155-1.168 ms, causal 0.666 -> 0.628-0.643 (scripts/gpu_ab.py, two calls); but B1
+# T16384 full took 11.0 ms with it in one benchmark run against 9.08 with 128/128 in session 4, so long
+# unmasked calls keep 128/128 w8 s3 (docs/PERF_NOTES.md, session 6).
+FWD_LONG_DENSE_CONFIGS: dict[str, dict[tuple[int, str], tuple[int, FlashConfig]]] = {
+    "h200": {(128, "16"): (4096, FlashConfig(128, 128, 8, 3))},
     "rtx3090": {},
     "default": {},
 }
@@ -145,7 +144,7 @@ FWD_DENSE_CONFIGS: dict[str, dict[tuple[int, str], tuple[int, FlashConfig]]] = {
 def flash_config(head_dim: int, head_dim_v: int | None = None, dtype=jnp.bfloat16,
                  device_kind: str | None = None, dense_kv_len: int | None = None) -> FlashConfig:
     """The forward config for this device kind, head dims and input dtype; ``dense_kv_len``: the number of
-    keys of an unmasked call (None: a masked call)."""
+    keys of an unmasked call (None: a masked call), which may pick an entry of FWD_LONG_DENSE_CONFIGS."""
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     d = max(_pow2(head_dim), _pow2(head_dim_v))
     if d > 256:
@@ -154,9 +153,9 @@ def flash_config(head_dim: int, head_dim_v: int | None = None, dtype=jnp.bfloat1
     family = device_family(device_kind)
     for max_d in (64, 128, 256):
         if d <= max_d:
-            max_kv, dense = FWD_DENSE_CONFIGS[family].get((max_d, cls), (0, None))
-            if dense is not None and dense_kv_len is not None and dense_kv_len <= max_kv:
-                return dense
+            min_kv, long = FWD_LONG_DENSE_CONFIGS[family].get((max_d, cls), (0, None))
+            if long is not None and dense_kv_len is not None and dense_kv_len > min_kv:
+                return long
             return FWD_CONFIGS[family][(max_d, cls)]
     raise AssertionError("unreachable")
 

@@ -37,6 +37,7 @@ from flashlax.kernels._tiles import LOG2E, TileMod, pow2
 from flashlax.kernels.configs import FlashConfig, check_config, flash_config, shrink_to_fit
 
 _SUPPORTED_TILES = (16, 32, 64, 128, 256)
+_MASK_BLOCK_KV = 128      # KV tile of the block masks built here (create_block_mask's default)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -53,6 +54,7 @@ class _Static:
     interpret: bool
     reverse_q: bool
     pack: int = 1          # query heads per program: 1 (grid over Hq) or G (a KV group shares K/V loads)
+    kv_sub: int = 1        # kernel KV tiles per block-mask KV tile (block_mask.block_kv // config.block_kv)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -92,7 +94,11 @@ def _fwd_kernel(*refs, st: _Static, n_cap: int, lq: int, lkv: int, d: int, dv: i
         q = plgpu.load(q_ref.at[:, pl.ds(q_start, bqh), pl.ds(0, dp)], mask=_mask3(gp, q_start, bqh, lq, dp, d),
                        other=0.0).reshape(bq, dp)
     precision = _tiles.dot_precision(q.dtype)
-    kv_ragged = lkv % bkv != 0
+    # A block-mask tile spans `sub` kernel KV tiles. When Lkv is not a multiple of the mask tile, the last
+    # mask tile's sub-tiles may lie wholly past Lkv: they load masked and their columns get -inf.
+    sub = st.kv_sub
+    kv_ragged = lkv % (bkv * sub) != 0
+    kv_aligned = sub == 1 or not kv_ragged
     # Base-2 factor of the scores, folded into the exponent's FMA (_tiles.softmax_update); the running
     # max is taken on the unscaled scores, so the factor must be positive.
     if st.score_mod is None:
@@ -103,8 +109,8 @@ def _fwd_kernel(*refs, st: _Static, n_cap: int, lq: int, lkv: int, d: int, dv: i
     def visit(kv_tile, carry, masked: bool):
         m_prev, l_prev, acc_prev = carry
         kv_start = pl.multiple_of(kv_tile * bkv, bkv)
-        k = _tiles.load_tile(k_ref, kv_start, bkv, lkv, dp, d, aligned=True)
-        v = _tiles.load_tile(v_ref, kv_start, bkv, lkv, dvp, dv, aligned=True)
+        k = _tiles.load_tile(k_ref, kv_start, bkv, lkv, dp, d, aligned=kv_aligned)
+        v = _tiles.load_tile(v_ref, kv_start, bkv, lkv, dvp, dv, aligned=kv_aligned)
         qk = _tiles.dot_nt(q, k, precision)
         kv_idx = kv_start + lax.broadcasted_iota(jnp.int32, (1, bkv), 1)
         # s: scores in units that `mult` turns into base-2 exponents (raw q.k when scale > 0).
@@ -121,21 +127,26 @@ def _fwd_kernel(*refs, st: _Static, n_cap: int, lq: int, lkv: int, d: int, dv: i
         acc = acc_prev * alpha[:, None] + _tiles.dot_nn(p.astype(v.dtype), v, precision)
         return m_new, l_new, acc
 
+    def listed(idx_ref, j):
+        # kernel tile j of a list of mask tiles: sub-tile j % sub of mask tile idx_ref[j // sub] (j >= 0, so
+        # lax.div / lax.rem: jnp's floor division adds a sign fix-up the Triton lowering rejects)
+        return idx_ref[j] if sub == 1 else idx_ref[lax.div(j, sub)] * sub + lax.rem(j, sub)
+
     carry = (jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32),
              jnp.zeros((bq, dvp), jnp.float32))
     if st.has_block_mask:
         # Full tiles: the leading run of consecutive tile indices (all of them for causal, sliding-window
         # and document masks) is visited by address arithmetic, which Triton software-pipelines like a
         # dense loop; only the rest of the list, if any, is read through the index ref.
-        first = full_first_ref[0]
-        carry = lax.fori_loop(0, full_run_ref[0], lambda j, c: visit(first + j, c, masked=False), carry)
-        carry = lax.fori_loop(full_run_ref[0], full_num_ref[0],
-                              lambda j, c: visit(full_idx_ref[j], c, masked=False), carry)
+        first, run = full_first_ref[0] * sub, full_run_ref[0] * sub
+        carry = lax.fori_loop(0, run, lambda j, c: visit(first + j, c, masked=False), carry)
+        carry = lax.fori_loop(run, full_num_ref[0] * sub,
+                              lambda j, c: visit(listed(full_idx_ref, j), c, masked=False), carry)
         if st.mask_mod is not None:
             def partial_body(j, c):
-                return visit(kv_idx_ref[j], c, masked=True)
+                return visit(listed(kv_idx_ref, j), c, masked=True)
 
-            carry = lax.fori_loop(0, kv_num_ref[0], partial_body, carry)
+            carry = lax.fori_loop(0, kv_num_ref[0] * sub, partial_body, carry)
     else:
         carry = lax.fori_loop(0, nkv, lambda j, c: visit(j, c, masked=False), carry)
 
@@ -195,7 +206,8 @@ def _forward_call(st: _Static, q, k, v, bm: masks_lib.BlockMask | None, captured
         sel_b = (lambda b: b) if bm_dep else (lambda b: 0)
         sel_h = (lambda h: h) if hm_dep else (lambda h: 0)
         num_spec = _spec((None, None, 1), lambda h, i, b: (sel_b(b), sel_h(h), rev(i)))
-        idx_spec = _spec((None, None, None, nkv), lambda h, i, b: (sel_b(b), sel_h(h), rev(i), 0))
+        n_mask_kv = bm.kv_indices.shape[-1]
+        idx_spec = _spec((None, None, None, n_mask_kv), lambda h, i, b: (sel_b(b), sel_h(h), rev(i), 0))
         in_specs += [num_spec, idx_spec, num_spec, idx_spec, num_spec, num_spec]
         args += [bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices,
                  *_leading_run(bm.full_kv_num_blocks, bm.full_kv_indices)]
@@ -333,26 +345,34 @@ def _check_inputs(q, k, v):
 
 
 def _resolve_block_mask(block_mask, mask_mod, cfg: FlashConfig, pack: int, bsz, hq, lq, lkv, fits: Callable):
-    """Returns (block_mask or None, config): a block mask whose tiles are the kernel's tiles
-    (block_q // pack query rows per head, block_kv keys)."""
+    """Returns (block_mask or None, config, kv_sub): a block mask whose query tiles are the kernel's
+    (block_q // pack rows per head) and whose KV tiles each span ``kv_sub`` kernel KV tiles.
+
+    A block mask's KV tiles may be a multiple of the kernel's (the H200 D128 forward steps 64 keys inside
+    the default 128-key mask tiles); a mask built here uses KV tiles of at least 128 keys (create_block_mask's
+    default, which the backward's tiles are tuned for), fewer only for short sequences."""
+    def build(b_dim, h_dim):
+        mask_kv = max(cfg.block_kv, min(_MASK_BLOCK_KV, pow2(lkv)))
+        bm = masks_lib.create_block_mask(mask_mod, b_dim, h_dim, lq, lkv, block_q=cfg.block_q // pack,
+                                         block_kv=mask_kv)
+        return bm, cfg, mask_kv // cfg.block_kv
+
     if block_mask is None:
         if mask_mod is None:
-            return None, cfg
-        b_dim, h_dim = _mod_extent(mask_mod, bsz, hq)
-        return masks_lib.create_block_mask(mask_mod, b_dim, h_dim, lq, lkv, block_q=cfg.block_q // pack,
-                                           block_kv=cfg.block_kv), cfg
+            return None, cfg, 1
+        return build(*_mod_extent(mask_mod, bsz, hq))
     bm_b, bm_h, bm_q, bm_kv = block_mask.shape
     tiles = (block_mask.block_q, block_mask.block_kv)
     if tiles[0] * pack in _SUPPORTED_TILES and tiles[1] in _SUPPORTED_TILES:
-        tuned = dataclasses.replace(cfg, block_q=tiles[0] * pack, block_kv=tiles[1])
+        kv = cfg.block_kv if tiles[1] % cfg.block_kv == 0 else tiles[1]
+        tuned = dataclasses.replace(cfg, block_q=tiles[0] * pack, block_kv=kv)
         if fits(tuned):
-            return block_mask, tuned
+            return block_mask, tuned, tiles[1] // kv
     if mask_mod is None:
         raise ValueError(f"flex_attention_pallas: block_mask tiles {tiles} are not a supported kernel tile "
                          f"(powers of two 16..256 within the shared-memory budget) and there is no mask_mod "
                          f"to rebuild it with tiles ({cfg.block_q // pack}, {cfg.block_kv})")
-    return masks_lib.create_block_mask(mask_mod, bsz if bm_b > 1 else None, hq if bm_h > 1 else None, lq, lkv,
-                                       block_q=cfg.block_q // pack, block_kv=cfg.block_kv), cfg
+    return build(bsz if bm_b > 1 else None, hq if bm_h > 1 else None)
 
 
 def flex_attention_pallas(q, k, v, *, score_mod=None, mask_mod=None, block_mask=None, scale=None,
@@ -420,7 +440,7 @@ def flex_attention_pallas(q, k, v, *, score_mod=None, mask_mod=None, block_mask=
     groups = hq // k.shape[1]
     pack = groups if (cfg.pack_gqa and groups > 1 and groups & (groups - 1) == 0
                       and cfg.block_q // groups >= 16 and not head_dep) else 1
-    bm, cfg = _resolve_block_mask(block_mask, mask_mod, cfg, pack, bsz, hq, lq, lkv, fits)
+    bm, cfg, kv_sub = _resolve_block_mask(block_mask, mask_mod, cfg, pack, bsz, hq, lq, lkv, fits)
     if bm is None:
         mask_tm = None          # no block mask means no mask: every tile is full
     captured = tuple(jnp.asarray(c) for c in (score_tm.captured if score_tm else ())) + \
@@ -428,6 +448,6 @@ def flex_attention_pallas(q, k, v, *, score_mod=None, mask_mod=None, block_mask=
     st = _Static(config=cfg, scale=scale, score_mod=score_tm, mask_mod=mask_tm,
                  n_score_cap=score_tm.num_captured if score_tm else 0, has_block_mask=bm is not None,
                  return_lse=bool(return_lse), interpret=bool(interpret),
-                 reverse_q=bm is not None, pack=pack)
+                 reverse_q=bm is not None, pack=pack, kv_sub=kv_sub)
     out, lse = _flash(st, q, k, v, bm, captured)
     return (out, lse) if return_lse else out
