@@ -11,7 +11,7 @@ from hypothesis import given, strategies as st
 from conftest import TOLERANCES, rel_err
 from flashlax import available_impls, gated_delta_rule
 from flashlax._residuals import residual_bytes
-from flashlax.fallbacks.linear import gated_delta_rule_chunked
+from flashlax.fallbacks.linear import _unit_lower_inverse, gated_delta_rule_chunked, gated_delta_rule_chunked_fat
 from flashlax.reference import gated_delta_rule_reference
 
 IMPLS = available_impls("gated_delta_rule")      # recurrent, chunked, chunked_fat on CPU (+ ssd on GPU)
@@ -160,6 +160,37 @@ def test_strong_decay_log_alpha_gradient(seed):
     formed as differences of row and column sums lost 1e-2..4e-2 relative here (hypothesis found it)."""
     inputs = make_inputs(seed, 1, 1, 15, 16, 4, la_lo=-100.0)
     check_against_reference(inputs, CHECKED, TOLERANCES["float32"], seed=seed, chunk_size=16)
+
+
+@pytest.mark.parametrize("size", [1, 3, 8, 13, 16, 33, 64, 128])
+def test_unit_lower_inverse_matches_numpy(size):
+    """The UT-transform inverse (closed-form 8x8 diagonal blocks, then doubling; sizes that are not powers
+    of two or below the base block are padded inside) against numpy's float64 inverse, with the entries'
+    scale of the delta rule (beta up to 2, unit-norm keys)."""
+    key = jax.random.PRNGKey(size)
+    a = jnp.tril(jax.random.uniform(key, (3, 2, size, size), jnp.float32, -1.0, 1.0), -1) * 2.0 / np.sqrt(size)
+    got = np.asarray(_unit_lower_inverse(a), np.float64)
+    want = np.linalg.inv(np.eye(size) + np.asarray(a, np.float64))
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max(), rtol=0)
+    with jax.enable_x64():
+        got64 = np.asarray(_unit_lower_inverse(jnp.asarray(a, jnp.float64)))
+    np.testing.assert_allclose(got64, want, atol=1e-12 * np.abs(want).max(), rtol=0)
+
+
+@pytest.mark.parametrize("dk", [64, 128])
+def test_benchmark_shapes_compile(dk):
+    """fwd+bwd of chunked (per slice and batched) and chunked_fat compile at the benchmark's shape, B2 H8
+    T2048 (compile only: an XLA CPU simplifier crash in session 6 showed only at shapes like these)."""
+    sds = [jax.ShapeDtypeStruct((2, 8, 2048, d), jnp.float32) for d in (dk, dk, dk)]
+    sds += [jax.ShapeDtypeStruct((2, 8, 2048), jnp.float32)] * 2
+    for impl, opts in (("chunked", dict(sequential_heads=True)), ("chunked", {}), ("chunked_fat", {})):
+        fn = gated_delta_rule_chunked if impl == "chunked" else gated_delta_rule_chunked_fat
+
+        def loss(q, k, v, la, beta, fn=fn, opts=opts):
+            return jnp.sum(fn(q, k, v, la, beta, scale=0.1, **opts))
+
+        jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).lower(*sds).compile()
 
 
 def test_scale_and_dk_ne_dv():
