@@ -454,9 +454,17 @@ def _slice_map(fn, args):
     """lax.map of ``fn`` over the (batch, head) slices of [B, H, ...] arrays (None passes through): fn gets
     [1, 1, ...] slices; its outputs come back as [B, H, ...]."""
     bsz, heads = args[0].shape[:2]
-    flat = [None if x is None else x.reshape((bsz * heads, 1, 1) + x.shape[2:]) for x in args]
-    out = lax.map(fn, tuple(flat))
-    return jax.tree.map(lambda x: x.reshape((bsz, heads) + x.shape[3:]), out)
+    # The mapped axis is B*H with no size-1 axes after it: with [B*H, 1, 1, ...] operands XLA CPU gave the
+    # reshaped parameters a layout that needed a physical copy of every input (4 x 8 MB at B2 H8 T2048
+    # dk64), which pushed the temp buffer past glibc's 32 MB mmap threshold: ~12k page faults per call.
+    flat = [None if x is None else x.reshape((bsz * heads,) + x.shape[2:]) for x in args]
+
+    def one(xs):
+        out = fn(tuple(None if x is None else x[None, None] for x in xs))
+        return jax.tree.map(lambda x: x[0, 0], out)
+
+    out = lax.map(one, tuple(flat))
+    return jax.tree.map(lambda x: x.reshape((bsz, heads) + x.shape[1:]), out)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
