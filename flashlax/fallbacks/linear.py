@@ -12,16 +12,18 @@ beta) gives, with ``G[t, j] = exp(sum_{j < i <= t} log_alpha_i)`` and ``g_t = ex
 
     (I + A) D = diag(b) V - diag(b g) K S0,      A = strictly_lower(diag(b) (K K^T) * G)
     D = U - W S0,                                U = (I + A)^-1 diag(b) V,  W = (I + A)^-1 diag(b g) K
-    O = scale (Q K^T * G * lower) D + scale diag(g) Q S0 = O_intra + Q_eff S0
-    S_C = M S0 + H,                              M = g_C I - K_dec^T W,  H = K_dec^T U,  K_dec = G[C, :] K
+    O = P D + Q_g S0,                            P = scale (Q K^T * G * lower),  Q_g = scale diag(g) Q
+    S_C = g_C S0 + K_dec^T D,                    K_dec = G[C, :] K
 
-Everything except ``S0`` is computed for all chunks at once as batched matmuls ("precompute"); only
-``S_{n+1} = M_n S_n + H_n`` runs in a sequential ``lax.scan`` over chunks. The backward reuses that
-split: autodiff (``jax.vjp``) of the batched precompute, and a hand-written reverse scan for the
+Everything except ``S0`` is computed for all chunks at once as batched matmuls ("precompute": P, Q_g,
+U, W, K_dec); only ``D_n = U_n - W_n S_n``, ``S_{n+1} = g S_n + K_dec^T D_n`` and ``Q_g S_n`` run in a
+sequential ``lax.scan`` over chunks, and ``P_n D_n`` is one batched matmul after it. (Without beta:
+``O = O_intra + Q_g S0`` with ``O_intra = P V``, ``S_C = g_C S0 + K_dec^T V``.) The backward reuses
+that split: a hand-written vjp of the batched precompute, and a hand-written reverse scan for the
 linear state recurrence.
 
 Numerics: every exponent is a sum of ``log_alpha`` over a segment inside one chunk, computed directly
-(a masked matmul), not as a difference of cumulative sums: the exponents are <= 0 (no overflow, also
+(a cumulative sum of same-sign terms), not as a difference of prefix sums: the exponents are <= 0 (no overflow, also
 for log_alpha = -1e4) and carry no cancellation error from large prefix sums. Masked (upper) entries
 get exponent 0 before ``exp`` and are zeroed after, so no inf reaches a product or a gradient.
 """
@@ -162,9 +164,10 @@ def _intra_chunk(q, k, v, log_alpha, beta, scale: float):
     """State-independent work of every chunk at once.
 
     q, k: [..., N, C, dk]; v: [..., N, C, dv]; log_alpha, beta: [..., N, C] (compute dtype).
-    Returns o_intra [..., N, C, dv], q_eff [..., N, C, dk], transition ([..., N] without beta: the
-    chunk decay, or [..., N, dk, dk] with beta) and h [..., N, dk, dv], so that per chunk
-    ``O = o_intra + q_eff @ S0`` and ``S_C = transition @ S0 + h``.
+    Without beta: (o_intra [..., N, C, dv], q_eff [..., N, C, dk], (chunk decay [..., N], h [..., N, dk,
+    dv])), so that per chunk ``O = o_intra + q_eff @ S0`` and ``S_C = decay S0 + h``. With beta:
+    (p [..., N, C, C], q_eff, (chunk decay, u, w, k_dec)), so that ``D = u - w S0``,
+    ``O = p @ D + q_eff @ S0`` and ``S_C = decay S0 + k_dec^T D``.
     """
     if beta is None:
         _, decay, gamma, e_last = _decays(log_alpha)
@@ -188,11 +191,13 @@ def _intra_chunk_delta_fwd(q, k, v, log_alpha, beta, scale):
     t_inv = _unit_lower_inverse(a)
     u = _mm("...tj,...jx->...tx", t_inv, beta[..., None] * v)
     w = _mm("...tj,...jx->...tx", t_inv, (beta * gamma)[..., None] * k)
-    o_intra = scale * _mm("...tj,...jx->...tx", scores, u)
-    q_eff = scale * (gamma[..., None] * q - _mm("...tj,...jx->...tx", scores, w))
+    # O = P (u - w S) + q_g S with P = scale * scores: P meets D = u - w S after the state scan, so
+    # neither P u nor P w is formed (sessions <= 5 had O = P u + (q_g - P w) S: one more C^2 dk product
+    # per chunk forward and two more in the backward).
+    q_eff = (scale * gamma)[..., None] * q
     k_dec = k * e_last[..., None]
-    out = (o_intra, q_eff, (gamma[..., -1], u, w, k_dec))
-    return out, (q, k, v, beta, decay, gamma, e_last, qk, kk, scores, t_inv, u, w)
+    out = (scale * scores, q_eff, (gamma[..., -1], u, w, k_dec))
+    return out, (q, k, v, beta, decay, gamma, e_last, qk, kk, t_inv, u, w)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -208,14 +213,12 @@ def _intra_chunk_delta_bwd(scale, res, cts):
 
     log_alpha enters through seg (segment sums) and gamma_t = exp(sum_{i <= t} log_alpha_i); both
     gradients are sums over the same segments, so no cancellation is introduced."""
-    q, k, v, beta, decay, gamma, e_last, qk, kk, scores, t_inv, u, w = res
-    d_o, d_qeff, (d_cdecay, d_u, d_w, d_kdec) = cts
+    q, k, v, beta, decay, gamma, e_last, qk, kk, t_inv, u, w = res
+    d_p, d_qeff, (d_cdecay, d_u, d_w, d_kdec) = cts
     size = beta.shape[-1]
     strict = jnp.arange(size)[:, None] > jnp.arange(size)[None, :]
-    # o_intra = scale S U, q_eff = scale (g Q - S W)
-    d_scores = scale * (_mm("...tv,...jv->...tj", d_o, u) - _mm("...tk,...jk->...tj", d_qeff, w))
-    d_u = d_u + scale * _mm("...tj,...tv->...jv", scores, d_o)
-    d_w = d_w - scale * _mm("...tj,...tk->...jk", scores, d_qeff)
+    # p = scale * scores, q_eff = scale g Q
+    d_scores = scale * d_p
     d_gamma = scale * jnp.sum(q * d_qeff, axis=-1)
     d_qk = d_scores * decay
     dq = scale * gamma[..., None] * d_qeff + _mm("...tj,...jk->...tk", d_qk, k)
@@ -264,9 +267,9 @@ def _segments(seq_len: int, chunk_size: int) -> list[tuple[int, int, int]]:
 def _precompute(q, k, v, log_alpha, beta, *, scale: float, chunk_size: int):
     """Upcasts, cuts the sequence into segments of chunks and runs :func:`_intra_chunk` on each.
 
-    Returns one ``(o_intra, q_eff, terms)`` per segment, chunk-major: the full chunks [N, B, H, C, ...],
-    then the remainder as one chunk [1, B, H, T % C, ...]. ``terms`` drive the state recurrence: with beta
-    ``(chunk_decay, u, w, k_dec)``, without ``(chunk_decay, h)``.
+    Returns one ``(o_intra or p, q_eff, terms)`` per segment (see :func:`_intra_chunk`), chunk-major: the
+    full chunks [N, B, H, C, ...], then the remainder as one chunk [1, B, H, T % C, ...]. ``terms`` drive
+    the state recurrence: with beta ``(chunk_decay, u, w, k_dec)``, without ``(chunk_decay, h)``.
     """
     cdt = _compute_dtype(q, k, v, log_alpha, beta)
     parts = []
@@ -305,16 +308,26 @@ def _state_update(state, terms):
 
 
 def _output_scan(parts, state0, out_dtype):
-    """Forward without keeping the chunk states: O_n = o_intra_n + q_eff_n S_n inside the scan."""
-    state = state0.astype(parts[0][0].dtype)
+    """Forward without keeping the chunk states: q_eff_n S_n (and with beta D_n) inside the scan."""
+    state = state0.astype(parts[0][1].dtype)
     outs = []
-    for o_intra, q_eff, terms in parts:
-        def step(state, x):
-            o_intra_n, q_eff_n, terms_n = x
-            out = o_intra_n + _mm("...tk,...kv->...tv", q_eff_n, state)
-            return _state_update(state, terms_n)[0], out
+    for first, q_eff, terms in parts:
+        if len(terms) == 4:        # with beta: D_n from the scan, then P_n D_n for all chunks at once
+            def step(state, x):
+                q_eff_n, terms_n = x
+                out = _mm("...tk,...kv->...tv", q_eff_n, state)
+                new, delta = _state_update(state, terms_n)
+                return new, (out, delta)
 
-        state, o = lax.scan(step, state, (o_intra, q_eff, terms))
+            state, (o, deltas) = lax.scan(step, state, (q_eff, terms))
+            o = o + _mm("...tj,...jv->...tv", first, deltas)
+        else:
+            def step(state, x):
+                o_intra_n, q_eff_n, terms_n = x
+                out = o_intra_n + _mm("...tk,...kv->...tv", q_eff_n, state)
+                return _state_update(state, terms_n)[0], out
+
+            state, o = lax.scan(step, state, (first, q_eff, terms))
         outs.append(_from_chunks(o))
     return jnp.concatenate(outs, axis=2).astype(out_dtype), state
 
@@ -336,7 +349,7 @@ def _state_scan(terms, state):
 
 def _run_states(parts, state0):
     """State scans over all segments in order: per segment (starts, deltas), and the final state."""
-    state = state0.astype(parts[0][0].dtype)
+    state = state0.astype(parts[0][1].dtype)
     out = []
     for _, _, terms in parts:
         starts, deltas, state = _state_scan(terms, state)
@@ -345,41 +358,47 @@ def _run_states(parts, state0):
 
 
 def _assemble(parts, states, out_dtype):
-    """O = o_intra + q_eff @ S_start per chunk, flattened back to [B, H, T, dv]."""
+    """O = o_intra + q_eff @ S_start (with beta: p @ D + q_eff @ S_start) per chunk, flattened back to
+    [B, H, T, dv]."""
     outs = []
-    for (o_intra, q_eff, _), (starts, _) in zip(parts, states):
-        outs.append(_from_chunks(o_intra + _mm("...tk,...kv->...tv", q_eff, starts)))
+    for (first, q_eff, terms), (starts, deltas) in zip(parts, states):
+        o = _mm("...tk,...kv->...tv", q_eff, starts)
+        o = o + (_mm("...tj,...jv->...tv", first, deltas) if len(terms) == 4 else first)
+        outs.append(_from_chunks(o))
     return jnp.concatenate(outs, axis=2).astype(out_dtype)
 
 
-def _reverse_scan(q_eff, terms, starts, deltas, do, adj):
-    """Adjoint of one segment's outputs ``O_n = o_intra_n + q_eff_n S_n`` and of its state scan.
+def _reverse_scan(first, q_eff, terms, starts, deltas, do, adj):
+    """Adjoint of one segment's outputs (``O_n = o_intra_n + q_eff_n S_n``; with beta
+    ``O_n = p_n D_n + q_eff_n S_n``, ``first`` being o_intra or p) and of its state scan.
 
     Only the adjoint recurrence is sequential (per chunk: adj_n = q_eff_n^T dO_n + g_n adj_{n+1}
-    - w_n^T (k_dec_n adj_{n+1})); the products that merely read S_n or adj_{n+1} run afterwards as
-    matmuls batched over all chunks. do [N, B, H, C, dv]: output cotangent; adj: adjoint of the state
-    after the segment. Returns (cotangent of q_eff, cotangents of ``terms``, adjoint of the state
-    before the segment).
+    - w_n^T dD_n with dD_n = p_n^T dO_n + k_dec_n adj_{n+1}); the products that merely read S_n, D_n,
+    dO_n or adj_{n+1} run before or after it as matmuls batched over all chunks. do [N, B, H, C, dv]:
+    output cotangent; adj: adjoint of the state after the segment. Returns (cotangents of ``first``,
+    of q_eff and of ``terms``, adjoint of the state before the segment).
     """
     with_beta = len(terms) == 4
+    d_out_p = _mm("...tj,...tv->...jv", first, do) if with_beta else None     # p^T dO, part of dD
 
     def step(adj_next, x):
-        q_eff_n, terms_n, do_n = x
+        q_eff_n, terms_n, do_n, dd_n = x
         adj = _mm("...tk,...tv->...kv", q_eff_n, do_n) + terms_n[0][..., None, None] * adj_next
         if not with_beta:
             return adj, (adj_next, None)
         _, _, w, k_dec = terms_n
-        d_delta = _mm("...ck,...kv->...cv", k_dec, adj_next)          # = d u
+        d_delta = dd_n + _mm("...ck,...kv->...cv", k_dec, adj_next)          # = d u
         return adj - _mm("...ck,...cv->...kv", w, d_delta), (adj_next, d_delta)
 
-    adj, (adj_next, d_delta) = lax.scan(step, adj, (q_eff, terms, do), reverse=True)
+    adj, (adj_next, d_delta) = lax.scan(step, adj, (q_eff, terms, do, d_out_p), reverse=True)
     d_q_eff = _mm("...tv,...kv->...tk", do, starts)
     d_decay = jnp.sum(adj_next * starts, axis=(-2, -1))
     if not with_beta:
-        return d_q_eff, (d_decay, adj_next), adj
+        return do, d_q_eff, (d_decay, adj_next), adj
+    d_first = _mm("...tv,...jv->...tj", do, deltas)
     d_w = -_mm("...cv,...kv->...ck", d_delta, starts)
     d_kdec = _mm("...cv,...kv->...ck", deltas, adj_next)
-    return d_q_eff, (d_decay, d_delta, d_w, d_kdec), adj
+    return d_first, d_q_eff, (d_decay, d_delta, d_w, d_kdec), adj
 
 
 def _forward(q, k, v, log_alpha, beta, state0, scale, chunk_size):
@@ -403,7 +422,7 @@ def _chunked_fwd(q, k, v, log_alpha, beta, state0, scale, chunk_size, fat):
     # Everything the backward needs: the precompute's own residuals, its outputs (not o_intra) and
     # every chunk-start state.
     o, final, (pullback, parts, states) = _forward(q, k, v, log_alpha, beta, state0, scale, chunk_size)
-    parts = tuple((None, q_eff, terms) for _, q_eff, terms in parts)
+    parts = tuple((first if len(terms) == 4 else None, q_eff, terms) for first, q_eff, terms in parts)
     return (o, final), ((pullback, parts, states), state0)
 
 
@@ -422,16 +441,17 @@ def _chunked_bwd(scale, chunk_size, fat, res, cotangents):
         states, _ = _run_states(parts, state0)
     cdt = parts[0][1].dtype
 
-    # Segments last to first; per chunk the output O = o_intra + q_eff @ S_start and the recurrence.
+    # Segments last to first; per chunk the output O = o_intra + q_eff @ S_start (with beta p @ D +
+    # q_eff @ S_start) and the recurrence.
     adj = dfinal.astype(cdt)
     cts, end = [None] * len(parts), do.shape[2]
     for i in reversed(range(len(parts))):
-        _, q_eff, terms = parts[i]
+        first, q_eff, terms = parts[i]
         num, size = q_eff.shape[0], q_eff.shape[3]
         do_seg = _to_chunks(lax.slice_in_dim(do, end - num * size, end, axis=2).astype(cdt), num)
         end -= num * size
-        d_q_eff, d_terms, adj = _reverse_scan(q_eff, terms, *states[i], do_seg, adj)
-        cts[i] = (do_seg, d_q_eff, d_terms)
+        d_first, d_q_eff, d_terms, adj = _reverse_scan(first, q_eff, terms, *states[i], do_seg, adj)
+        cts[i] = (d_first, d_q_eff, d_terms)
     dq, dk, dv, dlog_alpha, dbeta = pullback(tuple(cts))
     return dq, dk, dv, dlog_alpha, dbeta, adj.astype(state0.dtype)
 
