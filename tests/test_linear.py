@@ -162,7 +162,7 @@ def test_strong_decay_log_alpha_gradient(seed):
     check_against_reference(inputs, CHECKED, TOLERANCES["float32"], seed=seed, chunk_size=16)
 
 
-@pytest.mark.parametrize("size", [1, 3, 8, 13, 16, 33, 64, 128])
+@pytest.mark.parametrize("size", [1, 8, 13, 33, 128])
 def test_unit_lower_inverse_matches_numpy(size):
     """The UT-transform inverse (closed-form 8x8 diagonal blocks, then doubling; sizes that are not powers
     of two or below the base block are padded inside) against numpy's float64 inverse, with the entries'
