@@ -141,8 +141,11 @@ def block_mask_from_kinds(tile_kinds: jax.Array, q_len: int, kv_len: int, block_
                      mask_mod=mask_mod)
 
 
+DEFAULT_BLOCK = 128     # create_block_mask's default tile (both axes), as in torch's FlexAttention
+
+
 def create_block_mask(mask_mod: MaskMod | None, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int,
-                      *, block_q: int = 128, block_kv: int = 128) -> BlockMask:
+                      *, block_q: int = DEFAULT_BLOCK, block_kv: int = DEFAULT_BLOCK) -> BlockMask:
     """Classifies the tiles of ``mask_mod`` over [B, H, Q_LEN, KV_LEN] (B or H None: independent of it).
 
     Works under ``jit`` (mods may capture traced arrays); memory is bounded by evaluating a few tiles at a

@@ -37,7 +37,6 @@ from flashlax.kernels._tiles import LOG2E, TileMod, pow2
 from flashlax.kernels.configs import FlashConfig, check_config, flash_config, shrink_to_fit
 
 _SUPPORTED_TILES = (16, 32, 64, 128, 256)
-_MASK_BLOCK_KV = 128      # KV tile of the block masks built here (create_block_mask's default)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -352,7 +351,7 @@ def _resolve_block_mask(block_mask, mask_mod, cfg: FlashConfig, pack: int, bsz, 
     the default 128-key mask tiles); a mask built here uses KV tiles of at least 128 keys (create_block_mask's
     default, which the backward's tiles are tuned for), fewer only for short sequences."""
     def build(b_dim, h_dim):
-        mask_kv = max(cfg.block_kv, min(_MASK_BLOCK_KV, pow2(lkv)))
+        mask_kv = max(cfg.block_kv, min(masks_lib.DEFAULT_BLOCK, pow2(lkv)))
         bm = masks_lib.create_block_mask(mask_mod, b_dim, h_dim, lq, lkv, block_q=cfg.block_q // pack,
                                          block_kv=mask_kv)
         return bm, cfg, mask_kv // cfg.block_kv
