@@ -1,8 +1,9 @@
 """mask_mod library and BlockMask.
 
-A ``mask_mod(b, h, q_idx, kv_idx) -> bool`` is written for scalars and traced with broadcasting (the
-PyTorch FlexAttention convention): every argument is an int32 array and the result broadcasts to their
-common shape. ``True`` means "attend".
+A ``mask_mod(b, h, q_idx, kv_idx) -> bool`` is written for scalars (the PyTorch FlexAttention
+convention): each argument is one int32 scalar and the result one bool, ``True`` meaning "attend". Every
+implementation evaluates it with exactly that meaning (``flashlax._mods.apply_mod``), so a mod may index
+captured arrays with several indices, reduce or chain indexing.
 
 ``create_block_mask`` cuts the [Lq, Lkv] plane into ``block_q x block_kv`` tiles and classifies each
 tile as empty (no allowed element), full (every in-range element allowed) or partial. Kernels visit only
@@ -18,6 +19,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from flashlax import _mods
 
 MaskMod = Callable[..., jax.Array]
 
@@ -91,7 +94,7 @@ def _evaluate_dense(mask_mod: MaskMod, bm: int, hm: int, lq: int, lkv: int) -> j
     h = jnp.arange(hm, dtype=jnp.int32)[None, :, None, None]
     q = jnp.arange(lq, dtype=jnp.int32)[None, None, :, None]
     kv = jnp.arange(lkv, dtype=jnp.int32)[None, None, None, :]
-    return jnp.broadcast_to(mask_mod(b, h, q, kv), (bm, hm, lq, lkv)).astype(bool)
+    return _mods.apply_mod(mask_mod, b, h, q, kv)
 
 
 def _indices_of(selected: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -113,12 +116,12 @@ def _tile_kinds(mask_mod: MaskMod, bm: int, hm: int, lq: int, lkv: int, block_q:
         i, j = ij // n_chunks, ij % n_chunks
         q_idx = i * block_q + jnp.arange(block_q, dtype=jnp.int32)
         kv_idx = j * kv_chunk * block_kv + jnp.arange(kv_chunk * block_kv, dtype=jnp.int32)
-        allowed = mask_mod(b, h, q_idx[None, None, :, None], kv_idx[None, None, None, :])
-        allowed = jnp.broadcast_to(allowed, (bm, hm, block_q, kv_chunk * block_kv)).astype(bool)
+        allowed = _mods.apply_mod(mask_mod, b, h, q_idx[None, None, :, None], kv_idx[None, None, None, :])
+        allowed = jnp.broadcast_to(allowed, (bm, hm, block_q, kv_chunk * block_kv))
         in_range = (q_idx < lq)[:, None] & (kv_idx < lkv)[None, :]
-        allowed = (allowed & in_range).reshape(bm, hm, block_q, kv_chunk, block_kv)
+        allowed = (allowed & in_range[None, None]).reshape(bm, hm, block_q, kv_chunk, block_kv)
         n_allowed = allowed.sum((2, 4), dtype=jnp.int32)
-        n_in_range = in_range.reshape(block_q, kv_chunk, block_kv).sum((0, 2), dtype=jnp.int32)
+        n_in_range = in_range.reshape(1, 1, block_q, kv_chunk, block_kv).sum((2, 4), dtype=jnp.int32)
         return jnp.where(n_allowed == 0, EMPTY,
                          jnp.where(n_allowed == n_in_range, FULL, PARTIAL)).astype(jnp.int8)
 
@@ -160,8 +163,14 @@ def create_block_mask(mask_mod: MaskMod | None, B: int | None, H: int | None, Q_
     for name, val in (("B", B), ("H", H)):
         if val is not None and (not isinstance(val, (int, np.integer)) or val < 1):
             raise ValueError(f"create_block_mask: {name} must be a positive int or None, got {val!r}")
-    if mask_mod is not None and not callable(mask_mod):
-        raise ValueError(f"create_block_mask: mask_mod must be callable or None, got {type(mask_mod).__name__}")
+    _mods.check_mod("create_block_mask", mask_mod, "mask")
+    if mask_mod is not None:
+        reads_b, reads_h = _mods.reads_batch_head(mask_mod)
+        for name, dim, reads in (("B", B, reads_b), ("H", H, reads_h)):
+            if reads and dim is None:
+                arg = "b" if name == "B" else "h"
+                raise ValueError(f"create_block_mask: mask_mod reads `{arg}` but {name}=None (a mask that is the "
+                                 f"same for every {'batch element' if name == 'B' else 'head'}); pass {name}")
     bm, hm = (B or 1), (H or 1)
     nq, nkv = _cdiv(Q_LEN, block_q), _cdiv(KV_LEN, block_kv)
     def build():

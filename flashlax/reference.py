@@ -10,6 +10,8 @@ Linear attention: the recurrent ``lax.scan`` implementation is the reference; ru
 import jax.numpy as jnp
 from jax import lax
 
+from flashlax._mods import apply_mod
+
 from flashlax.fallbacks.linear import gated_delta_rule_recurrent as gated_delta_rule_reference  # noqa: F401
 
 
@@ -32,10 +34,10 @@ def attention_reference(q, k, v, *, score_mod=None, mask_mod=None, scale=None):
     q_idx = jnp.arange(q_len, dtype=jnp.int32)[None, None, :, None]
     kv_idx = jnp.arange(kv_len, dtype=jnp.int32)[None, None, None, :]
     if score_mod is not None:
-        scores = jnp.broadcast_to(score_mod(scores, b, h, q_idx, kv_idx), scores.shape).astype(acc)
+        scores = apply_mod(score_mod, scores, b, h, q_idx, kv_idx).astype(acc)
     allowed = jnp.ones(scores.shape, bool)
     if mask_mod is not None:
-        allowed = jnp.broadcast_to(mask_mod(b, h, q_idx, kv_idx), scores.shape)
+        allowed = jnp.broadcast_to(apply_mod(mask_mod, b, h, q_idx, kv_idx), scores.shape)
     scores = jnp.where(allowed, scores, -jnp.inf)
     row_max = scores.max(-1, keepdims=True)
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)

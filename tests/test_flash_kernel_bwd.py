@@ -391,7 +391,7 @@ def test_kernels_lower_to_triton(dtype):
     mask_tm = TileMod.make(masks.and_masks(masks.causal, masks.document(seg)), "mask")
     score_tm = TileMod.make(score_mods.alibi(jnp.linspace(0.1, 0.5, hq)), "score")
     nm, ns = mask_tm.num_captured, score_tm.num_captured
-    bmask = create_block_mask(mask_tm.fn, None, None, length, length, block_q=128, block_kv=64)
+    bmask = create_block_mask(mask_tm.fn, bsz, None, length, length, block_q=128, block_kv=64)
     sd = lambda shape, dt=dtype: jax.ShapeDtypeStruct(shape, jnp.dtype(dt))
 
     def f(q, k, v, out, lse, dout, caps):

@@ -140,7 +140,7 @@ def test_score_mod_library_semantics():
     kv = jnp.arange(7)[None, None, None, :]
     slopes = jnp.array([0.5, 0.25, 0.125])
     np.testing.assert_allclose(score_mods.alibi(slopes)(score, b, h, q, kv),
-                               score + slopes[:, None, None] * (np.arange(7)[None, :] - np.arange(5)[:, None]),
+                               np.asarray(score) + np.asarray(slopes)[:, None, None] * (np.arange(7)[None, :] - np.arange(5)[:, None]),
                                rtol=1e-6)
     np.testing.assert_allclose(score_mods.softcap(2.0)(score, b, h, q, kv), 2.0 * np.tanh(np.asarray(score) / 2.0),
                                rtol=1e-6)

@@ -21,6 +21,7 @@ import numpy as np
 
 import flashlax
 from flashlax import dispatch, masks
+from flashlax._mods import apply_mod
 from flashlax.bench import harness, peers
 
 SUITES = ("linear", "gqa", "decode", "prefill")
@@ -228,7 +229,7 @@ def dense_mask(mask_mod, lq: int, lkv: int) -> np.ndarray | None:
     q_idx = jnp.arange(lq, dtype=jnp.int32)[:, None]
     kv_idx = jnp.arange(lkv, dtype=jnp.int32)[None, :]
     zero = jnp.zeros((), jnp.int32)
-    return np.asarray(jnp.broadcast_to(mask_mod(zero, zero, q_idx, kv_idx), (lq, lkv)))
+    return np.asarray(apply_mod(mask_mod, zero, zero, q_idx, kv_idx))
 
 
 def attention_reference(mask_mod, scale: float | None, *, decode: bool = False):

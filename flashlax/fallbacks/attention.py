@@ -19,13 +19,14 @@ arguments of the custom_vjp (gradients flow to a bias table captured by ``score_
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from flashlax import _mods
 from flashlax import masks as masks_lib
 
 F32 = jnp.float32
@@ -59,8 +60,14 @@ def tile_bounds(length: int, size: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def precision_for(dtype) -> lax.Precision:
-    """float32 inputs are computed in full float32 (no silent tf32/bf16 passes)."""
-    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
+    """float32 (and float64) inputs are computed in full precision (no silent tf32/bf16 passes)."""
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) in (jnp.float32, jnp.float64) else lax.Precision.DEFAULT
+
+
+def acc_dtype(dtype):
+    """Accumulation and statistics dtype: float32, or float64 for float64 inputs (jax_enable_x64), so a
+    float64 caller loses no precision."""
+    return jnp.promote_types(dtype, jnp.float32)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -68,17 +75,25 @@ def precision_for(dtype) -> lax.Precision:
 # ----------------------------------------------------------------------------------------------------
 
 def convert_mod(mod: Callable | None, *example_args) -> tuple[Callable | None, tuple]:
-    """Traces ``mod`` at the example shapes; returns ``(fn(consts, *args), consts)`` where ``consts`` are
-    every array the mod captured (concrete or traced). Call ``fn`` only with the example shapes."""
+    """Traces ``mod`` (scalar semantics, :func:`flashlax._mods.apply_mod`) at the example shapes; returns
+    ``(fn(consts, *args), consts)`` where ``consts`` are every array the mod captured (concrete or
+    traced). Call ``fn`` only with the example shapes."""
     if mod is None:
         return None, ()
-    closed = jax.make_jaxpr(mod)(*example_args)
+    closed = jax.make_jaxpr(lambda *args: _mods.apply_mod(mod, *args))(*example_args)
     jaxpr = closed.jaxpr
 
     def converted(consts, *args):
         return jax.core.eval_jaxpr(jaxpr, list(consts), *args)[0]
 
     return converted, tuple(closed.consts)
+
+
+def finite_lse(lse):
+    """lse with the -inf of fully masked rows replaced by 0, as saved for the backward: every score of such
+    a row is -inf, so exp(s - 0) is still 0, and no residual holds an inf (``jax.debug_infs`` checks the
+    residuals of a differentiated jit)."""
+    return jnp.where(jnp.isfinite(lse), lse, 0.0)
 
 
 def is_float(x) -> bool:
@@ -94,13 +109,9 @@ def zero_cotangent(x):
 
 
 def mask_extent(mask_mod: Callable, batch: int, heads: int) -> tuple[int | None, int | None]:
-    """(B or None, H or None): whether ``mask_mod``'s output varies with b / h (from its traced shape)."""
-    i32 = jnp.int32
-    shape = jax.make_jaxpr(mask_mod, return_shape=True)(
-        jax.ShapeDtypeStruct((batch, 1, 1, 1), i32), jax.ShapeDtypeStruct((1, heads, 1, 1), i32),
-        jax.ShapeDtypeStruct((1, 1, 1, 1), i32), jax.ShapeDtypeStruct((1, 1, 1, 1), i32))[1].shape
-    shape = (1,) * (4 - len(shape)) + tuple(shape)
-    return (batch if shape[0] > 1 else None), (heads if shape[1] > 1 else None)
+    """(B or None, H or None): whether ``mask_mod`` reads b / h (from its jaxpr)."""
+    reads_b, reads_h = _mods.reads_batch_head(mask_mod)
+    return (batch if reads_b else None), (heads if reads_h else None)
 
 
 def mask_mod_from_kinds(block_mask: masks_lib.BlockMask) -> Callable:
@@ -177,6 +188,7 @@ class _Spec:
     block_kv: int
     scale: float
     precision: lax.Precision
+    acc: Any                    # accumulation dtype (acc_dtype of the inputs)
     score_fn: Callable | None
     mask_fn: Callable | None
     may_mask: bool  # some tile needs masking (static): otherwise skip the lax.cond
@@ -201,10 +213,10 @@ def _tile_shape(spec: _Spec) -> tuple[int, ...]:
 
 
 def _raw_scores(spec: _Spec, q_t, k_t):
-    """scale * q.k for one tile: [B, Hkv, G*bq, D] x [B, Hkv, bk, D] -> [B, Hkv, G*bq, bk] float32."""
-    if q_t.dtype == F32:  # fold the scale into the [G*bq, D] query tile instead of the [G*bq, bk] scores
+    """scale * q.k for one tile: [B, Hkv, G*bq, D] x [B, Hkv, bk, D] -> [B, Hkv, G*bq, bk] in spec.acc."""
+    if q_t.dtype == spec.acc:  # fold the scale into the [G*bq, D] query tile instead of the [G*bq, bk] scores
         return jnp.einsum("bhmd,bhkd->bhmk", q_t * spec.scale, k_t, precision=spec.precision)
-    s = jnp.einsum("bhmd,bhkd->bhmk", q_t, k_t, precision=spec.precision, preferred_element_type=F32)
+    s = jnp.einsum("bhmd,bhkd->bhmk", q_t, k_t, precision=spec.precision, preferred_element_type=spec.acc)
     return s * spec.scale
 
 
@@ -213,17 +225,16 @@ def _apply_score_mod(spec: _Spec, s, score_consts, idx):
         return s
     s5 = s.reshape(_tile_shape(spec))
     out = spec.score_fn(score_consts, s5, *idx)
-    return jnp.broadcast_to(out, s5.shape).astype(F32).reshape(s.shape)
+    return jnp.broadcast_to(out, s5.shape).astype(spec.acc).reshape(s.shape)
 
 
-def _apply_mask(spec: _Spec, s, mask_consts, idx, kv_low):
-    """-inf where the mask (or the shared-column rule of the shifted last kv tile) forbids."""
+def _allowed(spec: _Spec, mask_consts, idx, kv_low, shape):
+    """bool ``shape``: where the mask (and the shared-column rule of the shifted last kv tile) allows."""
     b, h, q_idx, kv_idx = idx
     allowed = kv_idx >= kv_low
     if spec.mask_fn is not None:
         allowed = allowed & spec.mask_fn(mask_consts, b, h, q_idx, kv_idx)
-    allowed = jnp.broadcast_to(allowed, _tile_shape(spec)).reshape(s.shape)
-    return jnp.where(allowed, s, NEG_INF)
+    return jnp.broadcast_to(allowed, _tile_shape(spec)).reshape(shape)
 
 
 def _q_tile(spec: _Spec, x, start, width):
@@ -270,22 +281,22 @@ def _forward(spec: _Spec, q, k, v, score_consts, mask_consts, sched: Schedule):
             def update(masked: bool):
                 s = _apply_score_mod(spec, _raw_scores(spec, q_t, k_t), score_consts, idx)
                 if masked:
-                    s = _apply_mask(spec, s, mask_consts, idx, kv_lows[j])
+                    s = jnp.where(_allowed(spec, mask_consts, idx, kv_lows[j], s.shape), s, NEG_INF)
                 m_new = jnp.maximum(m, s.max(-1))
                 # A row with nothing allowed yet keeps m = -inf; subtracting 0 instead keeps exp() at 0.
                 m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
                 p = jnp.exp(s - m_safe[..., None])
                 alpha = jnp.exp(m - m_safe)
                 pv = jnp.einsum("bhmk,bhkd->bhmd", p.astype(v.dtype), v_t, precision=spec.precision,
-                                preferred_element_type=F32)
+                                preferred_element_type=spec.acc)
                 return m_new, alpha * l + p.sum(-1), alpha[..., None] * acc + pv
 
             if not spec.may_mask:
                 return update(False)
             return lax.cond(sched.masked[i, j], lambda: update(True), lambda: update(False))
 
-        init = (jnp.full((bsz, hkv, m_rows), NEG_INF, F32), jnp.zeros((bsz, hkv, m_rows), F32),
-                jnp.zeros((bsz, hkv, m_rows, dv), F32))
+        init = (jnp.full((bsz, hkv, m_rows), NEG_INF, spec.acc), jnp.zeros((bsz, hkv, m_rows), spec.acc),
+                jnp.zeros((bsz, hkv, m_rows, dv), spec.acc))
         m, l, acc = lax.fori_loop(0, sched.count[i], kv_step, init)
         has_any = l > 0
         out = acc / jnp.where(has_any, l, 1.0)[..., None]  # fully masked rows: 0
@@ -304,8 +315,8 @@ def _backward(spec: _Spec, q, k, v, out, lse, dout, dlse, score_consts, mask_con
     q_starts, q_lows = tile_bounds(spec.q_len, spec.block_q)
     kv_starts, kv_lows = tile_bounds(spec.kv_len, spec.block_kv)
     q_starts, q_lows, kv_starts, kv_lows = map(jnp.asarray, (q_starts, q_lows, kv_starts, kv_lows))
-    delta = jnp.sum(dout.astype(F32) * out.astype(F32), -1) - dlse
-    lse_safe = jnp.where(jnp.isfinite(lse), lse, 0.0)  # fully masked rows: every s is -inf, p stays 0
+    delta = jnp.sum(dout.astype(spec.acc) * out.astype(spec.acc), -1) - dlse
+    lse_safe = finite_lse(lse)
     float_pos = [n for n, c in enumerate(score_consts) if is_float(c)]
 
     def with_float(fconsts):
@@ -339,23 +350,28 @@ def _backward(spec: _Spec, q, k, v, out, lse, dout, dlse, score_consts, mask_con
                 else:
                     s = s_raw
                 if masked:
-                    s = _apply_mask(spec, s, mask_consts, idx, kv_lows[j])
+                    allowed = _allowed(spec, mask_consts, idx, kv_lows[j], s.shape)
+                    s = jnp.where(allowed, s, NEG_INF)
                 p = jnp.exp(s - lse_t[..., None])
                 dv_c = jnp.einsum("bhmk,bhmd->bhkd", p.astype(dout.dtype), do_t, precision=spec.precision,
-                                  preferred_element_type=F32)
+                                  preferred_element_type=spec.acc)
                 dp = jnp.einsum("bhmd,bhkd->bhmk", do_t, v_t, precision=spec.precision,
-                                preferred_element_type=F32)
+                                preferred_element_type=spec.acc)
                 ds = p * (dp - delta_t[..., None])  # 0 wherever p is 0 (masked), so the mask needs no vjp
                 if spec.score_fn is not None:
                     ds, dfc = mod_vjp(ds)
+                    if masked:
+                        # The mod's derivative may be NaN/inf where the mask forbids (sqrt of a negative
+                        # offset): 0 * NaN must not reach dq/dk.
+                        ds = jnp.where(allowed, ds, 0.0)
                 else:
                     dfc = ()
                 ds = ds * spec.scale
                 dq_c = jnp.einsum("bhmk,bhkd->bhmd", ds.astype(k.dtype), k_t, precision=spec.precision,
-                                  preferred_element_type=F32)
+                                  preferred_element_type=spec.acc)
                 dk_c = jnp.einsum("bhmk,bhmd->bhkd", ds.astype(q.dtype), q_t, precision=spec.precision,
-                                  preferred_element_type=F32)
-                return dq_c, dk_c, dv_c, tuple(g.astype(F32) for g in dfc)
+                                  preferred_element_type=spec.acc)
+                return dq_c, dk_c, dv_c, tuple(g.astype(spec.acc) for g in dfc)
 
             if not spec.may_mask:
                 dq_c, dk_c, dv_c, dfc = grads(False)
@@ -369,12 +385,12 @@ def _backward(spec: _Spec, q, k, v, out, lse, dout, dlse, score_consts, mask_con
             return (dq_t + dq_c, add_at(dk_acc, dk_c), add_at(dv_acc, dv_c),
                     tuple(a + g for a, g in zip(dc, dfc)))
 
-        init = (jnp.zeros((bsz, hkv, m_rows, d), F32), dk_acc, dv_acc, dc_acc)
+        init = (jnp.zeros((bsz, hkv, m_rows, d), spec.acc), dk_acc, dv_acc, dc_acc)
         dq_t, dk_acc, dv_acc, dc_acc = lax.fori_loop(0, sched.count[i], kv_step, init)
         return (dk_acc, dv_acc, dc_acc), dq_t.reshape(bsz, hkv, spec.groups, spec.block_q, d)
 
-    dc0 = tuple(jnp.zeros(score_consts[n].shape, F32) for n in float_pos)
-    init = (jnp.zeros(k.shape, F32), jnp.zeros(v.shape, F32), dc0)
+    dc0 = tuple(jnp.zeros(score_consts[n].shape, spec.acc) for n in float_pos)
+    init = (jnp.zeros(k.shape, spec.acc), jnp.zeros(v.shape, spec.acc), dc0)
     (dk, dv_, dc), dq_tiles = lax.scan(q_tile, init, jnp.arange(len(q_starts), dtype=jnp.int32))
     dq = _assemble(dq_tiles, spec.q_len, spec.block_q)
     d_score = [zero_cotangent(c) for c in score_consts]
@@ -390,12 +406,12 @@ def _blockwise_attention(spec: _Spec, q, k, v, score_consts, mask_consts, sched:
 
     def fwd(q, k, v, score_consts, mask_consts, sched_arrays):
         out, lse = attend(q, k, v, score_consts, mask_consts, sched_arrays)
-        return (out, lse), (q, k, v, out, lse, score_consts, mask_consts, sched_arrays)
+        return (out, lse), (q, k, v, out, finite_lse(lse), score_consts, mask_consts, sched_arrays)
 
     def bwd(res, cotangents):
         q, k, v, out, lse, score_consts, mask_consts, sched_arrays = res
         dout, dlse = cotangents
-        dq, dk, dv, d_score = _backward(spec, q, k, v, out, lse, dout, dlse.astype(F32), score_consts,
+        dq, dk, dv, d_score = _backward(spec, q, k, v, out, lse, dout, dlse.astype(spec.acc), score_consts,
                                         mask_consts, Schedule(*sched_arrays))
         return (dq, dk, dv, d_score, tuple(map(zero_cotangent, mask_consts)),
                 tuple(map(zero_cotangent, sched_arrays)))
@@ -409,11 +425,13 @@ def flex_attention_xla(q, k, v, *, score_mod=None, mask_mod=None, block_mask=Non
                        interpret=False, block_q: int | None = None, block_kv: int | None = None):
     """Blockwise online-softmax attention in XLA (GQA native, memory linear in sequence length).
 
-    q: [B, Hq, Lq, D], k: [B, Hkv, Lkv, D], v: [B, Hkv, Lkv, Dv] -> out [B, Hq, Lq, Dv]
-    (and lse [B, Hq, Lq] float32 when ``return_lse``). ``interpret`` is ignored. ``block_q`` is the
-    number of rows per query head in a tile (G * block_q rows are processed together).
+    q: [B, Hq, Lq, D], k: [B or 1, Hkv, Lkv, D], v: [B or 1, Hkv, Lkv, Dv] -> out [B, Hq, Lq, Dv]
+    (and lse [B, Hq, Lq] float32, float64 for float64 inputs, when ``return_lse``). ``interpret`` is
+    ignored. ``block_q`` is the number of rows per query head in a tile (G * block_q rows are processed
+    together).
     """
     del interpret
+    k, v = broadcast_kv_batch(q, k, v)
     bsz, hq, lq, d = q.shape
     hkv, lkv, dv = k.shape[1], k.shape[2], v.shape[-1]
     groups = hq // hkv
@@ -431,14 +449,38 @@ def flex_attention_xla(q, k, v, *, score_mod=None, mask_mod=None, block_mask=Non
     i32 = jnp.int32
     example_idx = (jnp.zeros((bsz, 1, 1, 1, 1), i32), jnp.zeros((1, hkv, groups, 1, 1), i32),
                    jnp.zeros((1, 1, 1, block_q, 1), i32), jnp.zeros((1, 1, 1, 1, block_kv), i32))
-    score_fn, score_consts = convert_mod(score_mod, jnp.zeros(tile5, F32), *example_idx)
+    acc = acc_dtype(q.dtype)
+    score_fn, score_consts = convert_mod(score_mod, jnp.zeros(tile5, acc), *example_idx)
     mask_fn, mask_consts = convert_mod(mask_mod, *example_idx)
-    spec = _Spec(bsz, hkv, groups, lq, lkv, block_q, block_kv, float(scale), precision_for(q.dtype),
+    spec = _Spec(bsz, hkv, groups, lq, lkv, block_q, block_kv, float(scale), precision_for(q.dtype), acc,
                  score_fn, mask_fn, may_mask=mask_fn is not None or lkv % block_kv != 0)
     q5 = q.reshape(bsz, hkv, groups, lq, d)
     out, lse = _blockwise_attention(spec, q5, k, v, score_consts, mask_consts, sched)
     out = out.reshape(bsz, hq, lq, dv)
     return (out, lse.reshape(bsz, hq, lq)) if return_lse else out
+
+
+def broadcast_kv_batch(q, k, v):
+    """K/V given with batch 1 against q with batch B (FlexAttention broadcasts them): broadcast to B.
+    Under differentiation the cotangents of the broadcast sum back over the batch."""
+    bsz = q.shape[0]
+    if k.shape[0] != bsz:
+        k = jnp.broadcast_to(k, (bsz,) + k.shape[1:])
+        v = jnp.broadcast_to(v, (bsz,) + v.shape[1:])
+    return k, v
+
+
+def masked_score_mod(score_mod, s, allowed, *idx):
+    """``score_mod`` on the scores ``s`` with the mask applied after it (-inf where not ``allowed``).
+
+    Where the mask forbids, the mod sees a stop_gradient copy of the score: autodiff then drops whatever
+    the mod's derivative is there (NaN from ``sqrt`` of a negative offset, say) instead of multiplying it
+    by a zero cotangent."""
+    if score_mod is not None:
+        if allowed is not None:
+            s = jnp.where(allowed, s, lax.stop_gradient(s))
+        s = _mods.apply_mod(score_mod, s, *idx).astype(s.dtype)
+    return s if allowed is None else jnp.where(allowed, s, NEG_INF)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -448,29 +490,29 @@ def flex_attention_xla(q, k, v, *, score_mod=None, mask_mod=None, block_mask=Non
 def dense_attention(q, k, v, *, score_mod=None, mask_mod=None, scale, precision=None):
     """Materialised attention with the K/V heads given per query head: q, k, v [B, H, L*, D*].
 
-    Returns (out in q's dtype, lse f32). Fully masked rows: out 0, lse -inf, finite gradients.
+    Returns (out in q's dtype, lse f32, or f64 for f64 inputs). Fully masked rows: out 0, lse -inf,
+    finite gradients.
     """
     precision = precision or precision_for(q.dtype)
+    acc = acc_dtype(q.dtype)
     bsz, heads, lq, _ = q.shape
     lkv = k.shape[2]
-    s = jnp.einsum("bhqd,bhkd->bhqk", q, k, precision=precision, preferred_element_type=F32) * scale
+    s = jnp.einsum("bhqd,bhkd->bhqk", q, k, precision=precision, preferred_element_type=acc) * scale
     i32 = jnp.int32
     b = jnp.arange(bsz, dtype=i32)[:, None, None, None]
     h = jnp.arange(heads, dtype=i32)[None, :, None, None]
     q_idx = jnp.arange(lq, dtype=i32)[None, None, :, None]
     kv_idx = jnp.arange(lkv, dtype=i32)[None, None, None, :]
-    if score_mod is not None:
-        s = jnp.broadcast_to(score_mod(s, b, h, q_idx, kv_idx), s.shape).astype(F32)
-    if mask_mod is not None:
-        s = jnp.where(jnp.broadcast_to(mask_mod(b, h, q_idx, kv_idx), s.shape), s, NEG_INF)
+    allowed = None if mask_mod is None else jnp.broadcast_to(_mods.apply_mod(mask_mod, b, h, q_idx, kv_idx),
+                                                             s.shape)
+    s = masked_score_mod(score_mod, s, allowed, b, h, q_idx, kv_idx)
     m = s.max(-1, keepdims=True)
     m = lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
     e = jnp.exp(s - m)
     l = e.sum(-1)
     has_any = l > 0
     l_safe = jnp.where(has_any, l, 1.0)
-    pv = jnp.einsum("bhqk,bhkd->bhqd", e.astype(v.dtype) if v.dtype != F32 else e, v, precision=precision,
-                    preferred_element_type=F32)
+    pv = jnp.einsum("bhqk,bhkd->bhqd", e.astype(v.dtype), v, precision=precision, preferred_element_type=acc)
     out = pv / l_safe[..., None]
     lse = jnp.where(has_any, m[..., 0] + jnp.log(l_safe), NEG_INF)
     return out.astype(q.dtype), lse
@@ -485,6 +527,7 @@ def flex_attention_repeat(q, k, v, *, score_mod=None, mask_mod=None, block_mask=
     del interpret
     if mask_mod is None and block_mask is not None:
         mask_mod = block_mask.mask_mod or mask_mod_from_kinds(block_mask)
+    k, v = broadcast_kv_batch(q, k, v)
     groups = q.shape[1] // k.shape[1]
     k_rep = jnp.repeat(k, groups, axis=1)
     v_rep = jnp.repeat(v, groups, axis=1)

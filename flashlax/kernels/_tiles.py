@@ -35,6 +35,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax._src.state.types import AbstractRef
 from jax.extend.core import Literal
@@ -57,6 +58,19 @@ def pow2(n: int) -> int:
 # ----------------------------------------------------------------------------------------------------
 # Tile positions, edge masks, masked loads and stores
 # ----------------------------------------------------------------------------------------------------
+
+def i32(x):
+    """An index as int32: Python ints, and the int64 that jax_enable_x64 gives loop counters and literals,
+    so every index of one slice has one integer type (the interpreter's dynamic_slice requires it)."""
+    if isinstance(x, (int, np.integer)):
+        return np.int32(x)
+    return x if x.dtype == jnp.int32 else x.astype(jnp.int32)
+
+
+def ds(start, size: int):
+    """``pl.ds`` with an int32 start (see :func:`i32`)."""
+    return pl.ds(i32(start), size)
+
 
 def tile_positions(q_start, kv_start, block_q: int, block_kv: int):
     """(q_idx int32 [BQ, 1], kv_idx int32 [1, BKV]): absolute positions of a tile's rows and columns."""
@@ -89,25 +103,36 @@ def load_tile(ref, start, rows: int, n_rows: int, cols: int, n_cols: int, aligne
     """
     mask = _tile_mask(start, rows, n_rows, cols, n_cols, aligned)
     if mask is None:
-        return plgpu.load(ref.at[pl.ds(start, rows), pl.ds(0, cols)])
-    return plgpu.load(ref.at[pl.ds(start, rows), pl.ds(0, cols)], mask=mask, other=0.0)
+        return plgpu.load(ref.at[ds(start, rows), ds(0, cols)])
+    return plgpu.load(ref.at[ds(start, rows), ds(0, cols)], mask=mask, other=0.0)
 
 
 def store_tile(ref, start, val, n_rows: int, n_cols: int, aligned: bool = False):
     """Stores val [rows, cols] at row ``start`` of a [n_rows, >= n_cols] ref, skipping out-of-range cells."""
     rows, cols = val.shape
     mask = _tile_mask(start, rows, n_rows, cols, n_cols, aligned)
-    plgpu.store(ref.at[pl.ds(start, rows), pl.ds(0, cols)], val.astype(ref.dtype), mask=mask)
+    plgpu.store(ref.at[ds(start, rows), ds(0, cols)], val.astype(ref.dtype), mask=mask)
 
 
 def load_vec(ref, start, rows: int, n_rows: int, other=0.0):
     """[rows] slice of a [n_rows] ref from ``start``; ``other`` outside."""
-    return plgpu.load(ref.at[pl.ds(start, rows)], mask=row_mask(start, rows, n_rows), other=other)
+    return plgpu.load(ref.at[ds(start, rows)], mask=row_mask(start, rows, n_rows), other=other)
 
 
 def store_vec(ref, start, val, n_rows: int):
-    plgpu.store(ref.at[pl.ds(start, val.shape[0])], val.astype(ref.dtype),
+    plgpu.store(ref.at[ds(start, val.shape[0])], val.astype(ref.dtype),
                 mask=row_mask(start, val.shape[0], n_rows))
+
+
+def leading_run(count, indices):
+    """(first [...], run [...]) int32 of block-mask lists (host side, before a kernel): each list's first
+    tile index and the length of the run of consecutive indices first, first + 1, ... at its start (at
+    most ``count``); kernels step that run by address arithmetic instead of index loads."""
+    first = indices[..., 0]
+    j = jnp.arange(indices.shape[-1], dtype=jnp.int32).reshape((1,) * (indices.ndim - 1) + (-1,))
+    consecutive = (indices == first[..., None] + j) & (j < count[..., None])
+    run = jnp.cumprod(consecutive.astype(jnp.int32), axis=-1).sum(-1, dtype=jnp.int32)
+    return first.astype(jnp.int32), run
 
 
 def kv_edge_bias(kv_start, block_kv: int, kv_len: int):
@@ -278,6 +303,9 @@ class TileMod:
         if len(args) != n_args:
             raise ValueError(f"TileMod: a {self.kind}_mod takes {n_args} arguments, got {len(args)}")
         args = [jnp.asarray(a) for a in args]
+        # Indices are int32 (the mod was traced so); int64 ones come from jnp.arange under jax_enable_x64.
+        args = [a.astype(jnp.int32) if jnp.issubdtype(a.dtype, jnp.integer) and a.dtype != jnp.int32 else a
+                for a in args]
         out = _eval_jaxpr(self.jaxpr, [_Captured(c) for c in captured], args)[0]
         if isinstance(out, (_Captured, _Cols)):
             raise UnsupportedModError(f"{self.kind}_mod returns a captured array itself")
@@ -353,7 +381,19 @@ def _unit(aval) -> bool:
     return all(d == 1 for d in getattr(aval, "shape", ()))
 
 
-_RESHAPES = ("squeeze", "reshape", "broadcast_in_dim", "expand_dims", "copy", "copy_p")
+_RESHAPES = ("squeeze", "reshape", "broadcast_in_dim", "expand_dims", "copy", "copy_p", "transpose")
+# Reductions of a size-1 value are the value itself.
+_UNIT_REDUCTIONS = ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
+                    "reduce_xor")
+# Primitives that act element by element: evaluating them on a whole tile is the scalar mod applied to
+# each element. Anything else in a mod is not evaluated on tiles (UnsupportedModError).
+_ELEMENTWISE = frozenset("""
+    abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp convert_element_type cos cosh digamma
+    div eq erf erf_inv erfc exp exp2 expm1 floor ge gt imag integer_pow is_finite le lgamma log log1p
+    logistic lt max min mul ne neg nextafter not or population_count pow real reduce_precision rem round
+    rsqrt select_n shift_left shift_right_arithmetic shift_right_logical sign sin sinh sqrt square sub tan
+    tanh xor
+""".split())
 
 
 def _point_load(x, shape, index_of_dim: dict):
@@ -387,6 +427,10 @@ def _eval_jaxpr(jaxpr, consts, args):
 
 def _eval_eqn(eqn, vals):
     prim, params, name = eqn.primitive, eqn.params, eqn.primitive.name
+    if name not in ("dynamic_slice", "gather"):
+        # A captured array of one element (a traced scale, a temperature) used as a value: a point read.
+        vals = [_point_load(v.x, tuple(var.aval.shape), {}) if isinstance(v, _Captured) and _unit(var.aval)
+                else v for v, var in zip(vals, eqn.invars)]
     if name == "dynamic_slice" and isinstance(vals[0], _Captured):
         sizes = tuple(params["slice_sizes"])
         shape = tuple(eqn.invars[0].aval.shape)
@@ -412,8 +456,14 @@ def _eval_eqn(eqn, vals):
     if not all(_unit(v.aval) for v in list(eqn.invars) + list(eqn.outvars)):
         raise UnsupportedModError(f"a mod builds a non-scalar value with {name} "
                                   f"({[v.aval for v in eqn.outvars]}); mods must be written for scalars")
-    if name in _RESHAPES:
+    if name in _RESHAPES or name in _UNIT_REDUCTIONS:   # identities on fields of scalars
         return [vals[0]]
+    if name == "dot_general":                            # a product of two size-1 operands
+        out_dtype = params.get("preferred_element_type") or jnp.result_type(*vals)
+        return [(jnp.asarray(vals[0]) * jnp.asarray(vals[1])).astype(out_dtype)]
+    if name not in _ELEMENTWISE:
+        # Not provably point-wise on a tile (sort, cumsum, scatter, ...): the caller takes a correct path.
+        raise UnsupportedModError(f"a mod uses the {name} primitive, which the kernels do not evaluate on tiles")
     vals = [jnp.asarray(v) for v in vals]
     shape = jnp.broadcast_shapes(*[v.shape for v in vals]) if vals else ()
     vals = [jnp.broadcast_to(v, shape) if v.shape != shape else v for v in vals]

@@ -5,7 +5,7 @@ One program per (query head h, query tile, batch b) owns ``block_q`` query rows 
 over the KV tiles its block-mask row lists: first the full tiles (no mask_mod), then the partial ones
 (mask_mod evaluated on the tile); empty tiles are never visited. The tile lists are int32 refs read inside
 the kernel, so the trip counts are data dependent and K/V are sliced with
-``pl.ds(pl.multiple_of(idx * block_kv, block_kv), block_kv)``. The leading run of consecutive full tiles
+``_tiles.ds(pl.multiple_of(idx * block_kv, block_kv), block_kv)``. The leading run of consecutive full tiles
 (all of them for causal, sliding-window and document masks) is stepped by address arithmetic instead of
 index loads, so Triton pipelines it like a dense loop (index loads cost 25% on the H200).
 
@@ -32,6 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from flashlax import masks as masks_lib
+from flashlax.fallbacks.attention import broadcast_kv_batch, mask_extent
 from flashlax.kernels import _tiles
 from flashlax.kernels._tiles import LOG2E, TileMod, pow2
 from flashlax.kernels.configs import FlashConfig, check_config, flash_config, shrink_to_fit
@@ -90,7 +91,7 @@ def _fwd_kernel(*refs, st: _Static, n_cap: int, lq: int, lkv: int, d: int, dv: i
         row = lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
         h = h_pid * gp + row // bqh
         q_idx = q_start + row % bqh
-        q = plgpu.load(q_ref.at[:, pl.ds(q_start, bqh), pl.ds(0, dp)], mask=_mask3(gp, q_start, bqh, lq, dp, d),
+        q = plgpu.load(q_ref.at[:, _tiles.ds(q_start, bqh), _tiles.ds(0, dp)], mask=_mask3(gp, q_start, bqh, lq, dp, d),
                        other=0.0).reshape(bq, dp)
     precision = _tiles.dot_precision(q.dtype)
     # A block-mask tile spans `sub` kernel KV tiles. When Lkv is not a multiple of the mask tile, the last
@@ -155,26 +156,16 @@ def _fwd_kernel(*refs, st: _Static, n_cap: int, lq: int, lkv: int, d: int, dv: i
         _tiles.store_tile(o_ref, q_start, out, lq, dv, aligned=True)
         _tiles.store_vec(lse_ref, q_start, lse, lq)
     else:
-        plgpu.store(o_ref.at[:, pl.ds(q_start, bqh), pl.ds(0, dvp)], out.reshape(gp, bqh, dvp).astype(o_ref.dtype),
+        plgpu.store(o_ref.at[:, _tiles.ds(q_start, bqh), _tiles.ds(0, dvp)], out.reshape(gp, bqh, dvp).astype(o_ref.dtype),
                     mask=_mask3(gp, q_start, bqh, lq, dvp, dv))
         rows_ok = jnp.broadcast_to(_tiles.row_mask(q_start, bqh, lq)[None, :], (gp, bqh))
-        plgpu.store(lse_ref.at[:, pl.ds(q_start, bqh)], lse.reshape(gp, bqh), mask=rows_ok)
+        plgpu.store(lse_ref.at[:, _tiles.ds(q_start, bqh)], lse.reshape(gp, bqh), mask=rows_ok)
 
 
 def _mask3(gp, start, rows, n_rows, cols, n_cols):
     """bool [gp, rows, cols]: in-range rows (start + i < n_rows) and columns (< n_cols) of a head group."""
     ok = _tiles.row_mask(start, rows, n_rows)[None, :, None] & (jnp.arange(cols) < n_cols)[None, None, :]
     return jnp.broadcast_to(ok, (gp, rows, cols))
-
-
-def _leading_run(count, indices):
-    """(first [..., n], run [..., n]) int32: each row's first tile index and the length of the run of
-    consecutive indices first, first+1, ... at the start of its list (at most ``count``)."""
-    first = indices[..., 0]
-    j = jnp.arange(indices.shape[-1], dtype=jnp.int32)
-    consecutive = (indices == first[..., None] + j) & (j < count[..., None])
-    run = jnp.cumprod(consecutive.astype(jnp.int32), axis=-1).sum(-1, dtype=jnp.int32)
-    return first.astype(jnp.int32), run
 
 
 def _forward_call(st: _Static, q, k, v, bm: masks_lib.BlockMask | None, captured):
@@ -209,7 +200,7 @@ def _forward_call(st: _Static, q, k, v, bm: masks_lib.BlockMask | None, captured
         idx_spec = _spec((None, None, None, n_mask_kv), lambda h, i, b: (sel_b(b), sel_h(h), rev(i), 0))
         in_specs += [num_spec, idx_spec, num_spec, idx_spec, num_spec, num_spec]
         args += [bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices,
-                 *_leading_run(bm.full_kv_num_blocks, bm.full_kv_indices)]
+                 *_tiles.leading_run(bm.full_kv_num_blocks, bm.full_kv_indices)]
     in_specs += _tiles.captured_specs(captured)
     args += list(captured)
 
@@ -317,16 +308,6 @@ def _bound_mods(st: _Static, caps):
 # Entry point
 # ----------------------------------------------------------------------------------------------------
 
-def _mod_extent(mask_mod: Callable, batch: int, heads: int) -> tuple[int | None, int | None]:
-    """(B or None, H or None): whether mask_mod's result varies with b / h (from its traced shape)."""
-    i32 = jnp.int32
-    shape = jax.eval_shape(mask_mod, jax.ShapeDtypeStruct((batch, 1, 1, 1), i32),
-                           jax.ShapeDtypeStruct((1, heads, 1, 1), i32),
-                           jax.ShapeDtypeStruct((1, 1, 1, 1), i32), jax.ShapeDtypeStruct((1, 1, 1, 1), i32)).shape
-    shape = (1,) * (4 - len(shape)) + tuple(shape)
-    return (batch if shape[0] > 1 else None), (heads if shape[1] > 1 else None)
-
-
 def _check_inputs(q, k, v):
     for name, x in (("q", q), ("k", k), ("v", v)):
         if jnp.ndim(x) != 4:
@@ -359,7 +340,7 @@ def _resolve_block_mask(block_mask, mask_mod, cfg: FlashConfig, pack: int, bsz, 
     if block_mask is None:
         if mask_mod is None:
             return None, cfg, 1
-        return build(*_mod_extent(mask_mod, bsz, hq))
+        return build(*mask_extent(mask_mod, bsz, hq))
     bm_b, bm_h, bm_q, bm_kv = block_mask.shape
     tiles = (block_mask.block_q, block_mask.block_kv)
     if tiles[0] * pack in _SUPPORTED_TILES and tiles[1] in _SUPPORTED_TILES:
@@ -386,6 +367,7 @@ def flex_attention_pallas(q, k, v, *, score_mod=None, mask_mod=None, block_mask=
     ``config``: a FlashConfig (default: :func:`flash_config` for the device kind, head dims and dtype).
     Differentiable in q, k, v and float arrays captured by the mods.
     """
+    k, v = broadcast_kv_batch(q, k, v)    # K/V of batch 1 (FlexAttention broadcasts them)
     _check_inputs(q, k, v)
     bsz, hq, lq, d = q.shape
     lkv, dv = k.shape[2], v.shape[-1]
@@ -435,7 +417,7 @@ def flex_attention_pallas(q, k, v, *, score_mod=None, mask_mod=None, block_mask=
                              f"q {q.shape}, k {k.shape} (needs (1 or B, 1 or Hq, Lq, Lkv))")
         head_dep = bm_h > 1
     else:
-        head_dep = mask_mod is not None and _mod_extent(mask_mod, bsz, hq)[1] is not None
+        head_dep = mask_mod is not None and mask_extent(mask_mod, bsz, hq)[1] is not None
     groups = hq // k.shape[1]
     pack = groups if (cfg.pack_gqa and groups > 1 and groups & (groups - 1) == 0
                       and cfg.block_q // groups >= 16 and not head_dep) else 1

@@ -38,8 +38,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from flashlax import _mods
 from flashlax import masks as masks_lib
-from flashlax.kernels._tiles import LOG2E, dot_nn, dot_nt, dot_precision, dot_tn, exp2_fma, fma, pow2
+from flashlax.kernels import _tiles
+from flashlax.kernels._tiles import LOG2E, dot_nn, dot_nt, dot_precision, dot_tn, exp2_fma, fma, leading_run, pow2
 from flashlax.kernels.configs import SMEM_LIMITS, device_family
 from flashlax.masks import BlockMask
 
@@ -190,13 +192,13 @@ def _load_rows(ref, start, rows: int, n_rows: int, cols: int, n_cols: int, rows_
     n_cols rounded up to a power of two, as Triton tiles must be). ``lead``: an index into a leading
     axis, folded into the same indexer (the Triton lowering takes one indexer per load)."""
     mask = _edge_mask(start, rows, n_rows, cols, n_cols, rows_exact)
-    idx = (pl.ds(start, rows), pl.ds(0, cols))
+    idx = (_tiles.ds(start, rows), _tiles.ds(0, cols))
     view = ref.at[idx if lead is None else (lead, *idx)]
     return plgpu.load(view) if mask is None else plgpu.load(view, mask=mask, other=0.0)
 
 
 def _load_vec(ref, start, rows: int, n_rows: int, rows_exact: bool = False, lead=None):
-    view = ref.at[pl.ds(start, rows)] if lead is None else ref.at[lead, pl.ds(start, rows)]
+    view = ref.at[_tiles.ds(start, rows)] if lead is None else ref.at[lead, _tiles.ds(start, rows)]
     if rows_exact:
         return plgpu.load(view)
     return plgpu.load(view, mask=_edge_mask(start, rows, n_rows), other=0.0)
@@ -205,7 +207,7 @@ def _load_vec(ref, start, rows: int, n_rows: int, rows_exact: bool = False, lead
 def _store_rows(ref, start, val, n_rows: int, n_cols: int, rows_exact: bool = False):
     rows, cols = val.shape
     mask = _edge_mask(start, rows, n_rows, cols, n_cols, rows_exact)
-    plgpu.store(ref.at[pl.ds(start, rows), pl.ds(0, cols)], val.astype(ref.dtype), mask=mask)
+    plgpu.store(ref.at[_tiles.ds(start, rows), _tiles.ds(0, cols)], val.astype(ref.dtype), mask=mask)
 
 
 def _ds_tile(q, k, v, do, lse, delta, *, b, h, q_start, kv_start, lq, lkv, scale, partial,
@@ -300,7 +302,7 @@ def _delta_kernel(o_ref, do_ref, delta_ref, *, block: int, lq: int, dv: int):
     o = _load_rows(o_ref, start, block, lq, dvp, dv).astype(jnp.float32)
     do = _load_rows(do_ref, start, block, lq, dvp, dv).astype(jnp.float32)
     row_ok = (start + jnp.arange(block, dtype=jnp.int32)) < lq
-    plgpu.store(delta_ref.at[pl.ds(start, block)], jnp.sum(o * do, axis=1), mask=row_ok)
+    plgpu.store(delta_ref.at[_tiles.ds(start, block)], jnp.sum(o * do, axis=1), mask=row_ok)
 
 
 def _mask_loop(num_ref, idx_ref, bm, hm, mt, sub: int, body, carry, first_ref=None, run_ref=None):
@@ -327,16 +329,6 @@ def _mask_loop(num_ref, idx_ref, bm, hm, mt, sub: int, body, carry, first_ref=No
         return body(tile, c)
 
     return lax.fori_loop(start, n, step, carry)
-
-
-def _leading_run(count, indices):
-    """(first [..., n], run [..., n]) int32: each list's first tile index and the length of the run of
-    consecutive indices first, first + 1, ... at its start (at most ``count``)."""
-    first = indices[..., 0]
-    j = jnp.arange(indices.shape[-1], dtype=jnp.int32)
-    consecutive = (indices == first[..., None] + j) & (j < count[..., None])
-    run = jnp.cumprod(consecutive.astype(jnp.int32), axis=-1).sum(-1, dtype=jnp.int32)
-    return first.astype(jnp.int32), run
 
 
 def _dkdv_kernel(*refs, n_cap, groups, bq, bkv, mask_bq, mask_bkv, lq, lkv, d, dv, scale,
@@ -500,9 +492,9 @@ def flash_attention_bwd(q, k, v, out, lse, dout, *, block_mask: BlockMask | None
         hm_dep = block_mask.kv_num_blocks.shape[1] > 1
         bmk = block_mask
         t_mask = (bmk.q_num_blocks, bmk.q_indices, bmk.full_q_num_blocks, bmk.full_q_indices,
-                  *_leading_run(bmk.full_q_num_blocks, bmk.full_q_indices))
+                  *leading_run(bmk.full_q_num_blocks, bmk.full_q_indices))
         r_mask = (bmk.kv_num_blocks, bmk.kv_indices, bmk.full_kv_num_blocks, bmk.full_kv_indices,
-                  *_leading_run(bmk.full_kv_num_blocks, bmk.full_kv_indices))
+                  *leading_run(bmk.full_kv_num_blocks, bmk.full_kv_indices))
     dp_, dvp = pow2(d), pow2(dv)
 
     # 1. delta = rowsum(dout * out), float32.
@@ -591,8 +583,9 @@ def _fit_block_mask(block_mask, mask_mod, cap, bsz, hq, lq, lkv, bwd: BwdConfig)
     def plain(b, h, q_idx, kv_idx):
         return mask_mod(*mask_caps, b, h, q_idx, kv_idx)
 
-    return masks_lib.create_block_mask(plain, bsz if bm_b > 1 else None, hq if bm_h > 1 else None, lq, lkv,
-                                       block_q=tq, block_kv=tkv)
+    reads_b, reads_h = _mods.reads_batch_head(plain)
+    return masks_lib.create_block_mask(plain, bsz if bm_b > 1 or reads_b else None,
+                                       hq if bm_h > 1 or reads_h else None, lq, lkv, block_q=tq, block_kv=tkv)
 
 
 def _normalize_captured(captured) -> dict:
