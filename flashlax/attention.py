@@ -7,14 +7,16 @@ repeated to Hq heads, the old baseline) and ``"pallas"`` (the GPU kernel).
 
 from __future__ import annotations
 
+import functools
 import numbers
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
-from flashlax import dispatch
+from flashlax import _mods, dispatch
 from flashlax import masks as masks_lib
 from flashlax.masks import BlockMask
 
@@ -25,7 +27,7 @@ def _shape_error(name: str, what: str, **shapes) -> ValueError:
 
 
 def check_attention_inputs(op: str, q, k, v) -> None:
-    """Shapes and dtypes of q [B, Hq, Lq, D], k [B, Hkv, Lkv, D], v [B, Hkv, Lkv, Dv]."""
+    """Shapes and dtypes of q [B, Hq, Lq, D], k [B or 1, Hkv, Lkv, D], v [B or 1, Hkv, Lkv, Dv]."""
     shapes = dict(q=q.shape, k=k.shape, v=v.shape)
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != 4:
@@ -35,8 +37,8 @@ def check_attention_inputs(op: str, q, k, v) -> None:
                              f"(dtypes q={q.dtype}, k={k.dtype}, v={v.dtype})")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"{op}: q, k and v must have the same dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
-    if not (q.shape[0] == k.shape[0] == v.shape[0]):
-        raise _shape_error(op, "batch sizes of q, k and v differ", **shapes)
+    if k.shape[0] != v.shape[0] or k.shape[0] not in (1, q.shape[0]):
+        raise _shape_error(op, "k and v must share a batch size that is q's or 1 (broadcast)", **shapes)
     if k.shape[1] != v.shape[1]:
         raise _shape_error(op, "k and v must have the same number of heads Hkv", **shapes)
     if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
@@ -51,22 +53,66 @@ def check_attention_inputs(op: str, q, k, v) -> None:
 
 
 def check_mods(op: str, score_mod, mask_mod) -> None:
-    for name, mod in (("score_mod", score_mod), ("mask_mod", mask_mod)):
-        if mod is not None and not callable(mod):
-            raise ValueError(f"{op}: {name} must be callable or None, got {type(mod).__name__}")
+    """score_mod(score, b, h, q_idx, kv_idx) -> float and mask_mod(b, h, q_idx, kv_idx) -> bool, checked
+    with scalar arguments (ValueError naming the mod otherwise)."""
+    _mods.check_mod(op, score_mod, "score")
+    _mods.check_mod(op, mask_mod, "mask")
 
 
-def resolve_scale(op: str, scale, head_dim: int) -> float:
-    """The scale as a Python float (default head_dim ** -0.5)."""
+def _is_concrete_number(x) -> bool:
+    if isinstance(x, numbers.Number) and not isinstance(x, bool):
+        return True
+    if isinstance(x, jax.core.Tracer):
+        return False
+    return np.ndim(x) == 0 and np.issubdtype(np.asarray(x).dtype, np.number)
+
+
+def resolve_scale(op: str, scale, head_dim: int, score_mod: Callable | None = None):
+    """(scale as a Python float, score_mod). A traced scale (a jit argument, or differentiated) becomes
+    part of the score_mod, ``score_mod(scale * s, ...)`` with the op's scale 1, so it stays
+    differentiable; it is captured as a [1] array read at index 0, a point read the kernels support."""
     if scale is None:
-        return float(head_dim) ** -0.5
-    try:
+        return float(head_dim) ** -0.5, score_mod
+    if _is_concrete_number(scale):
         value = float(scale)
-    except (TypeError, jax.errors.ConcretizationTypeError) as err:
-        raise ValueError(f"{op}: scale must be a Python number or a concrete scalar, got {scale!r}") from err
-    if not np.isfinite(value):
-        raise ValueError(f"{op}: scale must be finite, got {value}")
-    return value
+        if not np.isfinite(value):
+            raise ValueError(f"{op}: scale must be finite, got {value}")
+        return value, score_mod
+    scale_arr = jnp.asarray(scale)
+    if scale_arr.ndim != 0 or not jnp.issubdtype(scale_arr.dtype, jnp.floating) and \
+            not jnp.issubdtype(scale_arr.dtype, jnp.integer):
+        raise ValueError(f"{op}: scale must be a scalar number, got {scale_arr.dtype} of shape {scale_arr.shape}")
+    scale_vec = jnp.reshape(scale_arr, (1,))
+
+    def scaled(score, b, h, q_idx, kv_idx):
+        s = score * scale_vec[0].astype(score.dtype)
+        return s if score_mod is None else score_mod(s, b, h, q_idx, kv_idx)
+
+    return 1.0, scaled
+
+
+def _check_block_mask(op: str, block_mask, mask_mod, q, k) -> None:
+    if not isinstance(block_mask, BlockMask):
+        raise ValueError(f"{op}: block_mask must be a BlockMask (create_block_mask) or None, "
+                         f"got {type(block_mask).__name__}")
+    bm, hm, bq_len, bkv_len = block_mask.shape
+    if (bq_len, bkv_len) != (q.shape[2], k.shape[2]):
+        raise ValueError(f"{op}: block_mask was built for Lq={bq_len}, Lkv={bkv_len} but q has Lq={q.shape[2]} "
+                         f"and k has Lkv={k.shape[2]} (q={tuple(q.shape)}, k={tuple(k.shape)})")
+    if bm not in (1, q.shape[0]) or hm not in (1, q.shape[1]):
+        raise ValueError(f"{op}: block_mask batch/heads (Bm={bm}, Hm={hm}) must be 1 or match B={q.shape[0]}, "
+                         f"Hq={q.shape[1]} (block_mask.shape={block_mask.shape}, q={tuple(q.shape)})")
+    if block_mask.mask_mod is not None:
+        reads_b, reads_h = _mods.reads_batch_head(block_mask.mask_mod)
+        for dim, built, want, reads in (("B", bm, q.shape[0], reads_b), ("H", hm, q.shape[1], reads_h)):
+            if reads and built != want:
+                raise ValueError(f"{op}: block_mask was built with {dim}={built} but its mask_mod reads "
+                                 f"`{dim.lower()}` and the call has {dim}={want} (block_mask.shape="
+                                 f"{block_mask.shape}, q={tuple(q.shape)})")
+    if mask_mod is not None and not _mods.same_mod(mask_mod, block_mask.mask_mod):
+        built = "no mask_mod (every tile full)" if block_mask.mask_mod is None else "another mask_mod"
+        raise ValueError(f"{op}: mask_mod differs from the one block_mask was built from ({built}); pass "
+                         "block_mask alone, or a block mask built from this mask_mod")
 
 
 def flex_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, score_mod: Callable | None = None,
@@ -75,31 +121,40 @@ def flex_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, score_mod: Calla
                    interpret: bool = False):
     """Softmax attention with FlexAttention-style score and mask mods (GQA native).
 
-    q: [B, Hq, Lq, D], k: [B, Hkv, Lkv, D], v: [B, Hkv, Lkv, Dv], Hq % Hkv == 0; query head h reads
-    KV head h // (Hq // Hkv). score = scale * q.k (scale defaults to D ** -0.5), then
-    ``score_mod(score, b, h, q_idx, kv_idx)``; ``mask_mod(b, h, q_idx, kv_idx)`` (or ``block_mask``,
-    which carries its mask_mod) says which keys each query sees.
+    Args:
+      q: [B, Hq, Lq, D]; k: [B or 1, Hkv, Lkv, D]; v: [B or 1, Hkv, Lkv, Dv] (K/V of batch 1 are
+        broadcast), one floating dtype, Hq % Hkv == 0. Query head h reads KV head h // (Hq // Hkv).
+      score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score`` or None, written for scalars as in
+        PyTorch FlexAttention (it may index captured arrays, reduce, chain indexing); ``score`` is the
+        scaled logit ``scale * q.k``.
+      mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool`` or None (True = attend), scalar semantics.
+      block_mask: a BlockMask from :func:`create_block_mask` (it carries its mask_mod); passing it with a
+        different ``mask_mod`` is a ValueError.
+      scale: default ``D ** -0.5``; a Python number, or a traced scalar (then differentiable).
+      return_lse: also return the log-sum-exp [B, Hq, Lq] float32 (natural log).
+      impl: None (the backend's default), "xla", "repeat" or "pallas" (GPU kernel).
+      interpret: run the Pallas kernel in the Pallas interpreter (CPU testing).
 
-    Returns out [B, Hq, Lq, Dv] in q's dtype, and lse [B, Hq, Lq] float32 (natural log) when
-    ``return_lse``. Fully masked rows give out 0 and lse -inf.
+    Returns:
+      out [B, Hq, Lq, Dv] in q's dtype, or (out, lse). Fully masked rows give out 0 and lse -inf.
+
+    Raises:
+      ValueError: bad shapes/dtypes, a mod with the wrong arguments or result type, a block mask that does
+        not fit. RuntimeError: impl="pallas" on CPU without ``interpret=True``.
+
+    Example:
+      >>> q = k = v = jnp.ones((1, 2, 8, 16))
+      >>> flashlax.flex_attention(q, k, v, mask_mod=flashlax.masks.causal).shape
+      (1, 2, 8, 16)
     """
     op = "flex_attention"
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     check_attention_inputs(op, q, k, v)
     check_mods(op, score_mod, mask_mod)
     if block_mask is not None:
-        if not isinstance(block_mask, BlockMask):
-            raise ValueError(f"{op}: block_mask must be a BlockMask (create_block_mask) or None, "
-                             f"got {type(block_mask).__name__}")
-        bm, hm, bq_len, bkv_len = block_mask.shape
-        if (bq_len, bkv_len) != (q.shape[2], k.shape[2]):
-            raise ValueError(f"{op}: block_mask was built for Lq={bq_len}, Lkv={bkv_len} but q has Lq={q.shape[2]} "
-                             f"and k has Lkv={k.shape[2]} (q={tuple(q.shape)}, k={tuple(k.shape)})")
-        if bm not in (1, q.shape[0]) or hm not in (1, q.shape[1]):
-            raise ValueError(f"{op}: block_mask batch/heads (Bm={bm}, Hm={hm}) must be 1 or match B={q.shape[0]}, "
-                             f"Hq={q.shape[1]} (block_mask.shape={block_mask.shape}, q={tuple(q.shape)})")
+        _check_block_mask(op, block_mask, mask_mod, q, k)
     effective_mask = mask_mod if mask_mod is not None else (block_mask.mask_mod if block_mask is not None else None)
-    scale = resolve_scale(op, scale, q.shape[3])
+    scale, score_mod = resolve_scale(op, scale, q.shape[3], score_mod)
     _, fn = dispatch.resolve(op, impl, interpret=interpret)
     return fn(q, k, v, score_mod=score_mod, mask_mod=effective_mask, block_mask=block_mask, scale=scale,
               return_lse=bool(return_lse), interpret=interpret)
@@ -115,7 +170,7 @@ def _ensure_4d(x):
 
 
 def _broadcast_lookup(array: jax.Array, name: str, full_shape: tuple[int, ...]) -> Callable:
-    """``array`` broadcastable to [B, N, T, S] -> a function of (b, h, q_idx, kv_idx) reading it."""
+    """``array`` broadcastable to [B, N, T, S] -> a scalar function of (b, h, q_idx, kv_idx) reading it."""
     if array.ndim != 4:
         raise ValueError(f"dot_product_attention: {name} must be 4-D (broadcastable to BNTS={full_shape}), "
                          f"got shape {array.shape}")
@@ -123,8 +178,6 @@ def _broadcast_lookup(array: jax.Array, name: str, full_shape: tuple[int, ...]) 
         if have not in (1, want):
             raise ValueError(f"dot_product_attention: {name} shape {array.shape} is not broadcastable to "
                              f"BNTS={full_shape} (axis {axis})")
-    if array.shape[1] not in (1, full_shape[1]):
-        raise ValueError(f"dot_product_attention: {name} heads must be 1 or N={full_shape[1]}, got {array.shape}")
     broadcast = tuple(n == 1 for n in array.shape)
 
     def lookup(b, h, q_idx, kv_idx):
@@ -134,39 +187,123 @@ def _broadcast_lookup(array: jax.Array, name: str, full_shape: tuple[int, ...]) 
     return lookup
 
 
+def _large_negative(logits_dtype) -> np.ndarray:
+    """jax's masked logit: -0.7 * the dtype's max, capped at float32's range (finite in float32)."""
+    dtype_max = min(float(jnp.finfo(logits_dtype).max), float(jnp.finfo(jnp.float32).max))
+    return np.asarray(-0.7 * dtype_max, dtype=logits_dtype)
+
+
+def _window_mask(left: int, right: int):
+    """jax's local window: key j is visible from query i when i - left <= j <= i + right (entries may be
+    negative: an empty or shifted window, as jax allows)."""
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx >= q_idx - left) & (kv_idx <= q_idx + right)
+
+    return mask_mod
+
+
+@functools.partial(jax.jit, static_argnames=("static_scale", "is_causal", "window", "impl", "return_residual"))
+def _dot_product_attention(query, key, value, bias, mask, dynamic_scale, query_seq_lengths, key_value_seq_lengths,
+                           *, static_scale, is_causal, window, impl, return_residual):
+    """The computation behind :func:`dot_product_attention` on 4-D BTNH arrays, jitted as one program (so
+    the -inf kept inside for masked scores never shows up as an output, e.g. under ``jax.debug_infs``)."""
+    batch, kv_len, kv_heads, _ = key.shape
+    q_len, heads = query.shape[1], query.shape[2]
+    full_shape = (batch, heads, q_len, kv_len)
+    mask_mods = []
+    if mask is not None:
+        mask_mods.append(_broadcast_lookup(mask, "mask", full_shape))
+    if is_causal:
+        mask_mods.append(masks_lib.causal)
+    if window is not None:
+        mask_mods.append(_window_mask(*window))
+    if query_seq_lengths is not None:
+        mask_mods.append(lambda b, h, q_idx, kv_idx: q_idx < query_seq_lengths[b])
+    if key_value_seq_lengths is not None:
+        mask_mods.append(lambda b, h, q_idx, kv_idx: kv_idx < key_value_seq_lengths[b])
+    mask_mod = masks_lib.and_masks(*mask_mods) if mask_mods else None
+
+    score_mod = None
+    if bias is not None:
+        read_bias = _broadcast_lookup(bias, "bias", full_shape)
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return score + read_bias(b, h, q_idx, kv_idx).astype(score.dtype)
+
+    q = jnp.swapaxes(query, 1, 2)  # BTNH -> BNTH
+    k = jnp.swapaxes(key, 1, 2)
+    v = jnp.swapaxes(value, 1, 2)
+    scale = static_scale if dynamic_scale is None else dynamic_scale
+    out, lse = flex_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod, scale=scale, return_lse=True,
+                              impl=impl)
+    out = jnp.swapaxes(out, 1, 2)  # [B, T, N, H]
+    fully_masked = jnp.swapaxes(lse == -jnp.inf, 1, 2)  # [B, T, N]
+    if mask_mod is not None:
+        # jax masks with a large finite negative logit, so a row with every key masked averages all values.
+        groups = heads // kv_heads
+        mean_v = jnp.repeat(value.astype(jnp.float32).mean(axis=1), groups, axis=1)  # [B, N, H]
+        out = jnp.where(fully_masked[..., None], mean_v[:, None].astype(out.dtype), out)
+    if query_seq_lengths is not None:
+        rows = jnp.arange(q_len)[None, :, None, None] < query_seq_lengths[:, None, None, None]
+        out = out * rows.astype(out.dtype)
+    if not return_residual:
+        return out
+    # jax's residual: logsumexp of the (masked) logits, in key's dtype, without gradient; a fully masked row
+    # has every logit at the large negative value, whose log-sum-exp rounds back to that value.
+    logits_dtype = jnp.promote_types(query.dtype, jnp.float32)
+    residual = jnp.where(fully_masked, _large_negative(logits_dtype), jnp.swapaxes(lse, 1, 2).astype(logits_dtype))
+    return out, lax.stop_gradient(residual.astype(key.dtype))
+
+
 def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
                           query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
                           implementation=None, return_residual=False, dropout_rng=None, dropout_rate=0.0,
-                          broadcast_dropout=True, deterministic=True, dtype=None, precision=None, module=None,
-                          **unused_flax_kwargs):
-    """Drop-in for ``jax.nn.dot_product_attention`` (BTNH layout, same arguments and results).
+                          broadcast_dropout=True, deterministic=True, dtype=None, precision=None, module=None):
+    """Drop-in for ``jax.nn.dot_product_attention``: same arguments, BTNH layout and results.
 
-    query: [B, T, N, H] (or [T, N, H]), key/value: [B, S, K, H], N % K == 0; bias/mask broadcastable to
-    [B, N, T, S]. ``implementation``: None / "xla" (flashlax's blockwise XLA path), "cudnn" (delegated to
-    jax), "pallas" (flashlax's Pallas kernel). Rows with every key masked out get the mean of the values,
-    exactly as jax's large-negative-logit masking gives; rows past ``query_seq_lengths`` are 0.
+    Args:
+      query: [B, T, N, H] (or [T, N, H]); key, value: [B, S, K, H], N % K == 0 (GQA), one dtype.
+      bias: broadcastable to [B, N, T, S], added to the scaled logits (differentiable).
+      mask: broadcastable to [B, N, T, S]; bool (True = attend) or numeric (nonzero = attend, as flax's
+        float masks).
+      scale: default ``H ** -0.5``; a number or a traced scalar (differentiable).
+      is_causal: query i sees keys 0..i. local_window_size: int or (left, right): key j visible from query
+        i when i - left <= j <= i + right.
+      query_seq_lengths, key_value_seq_lengths: integer [B]; rows past the query length are 0.
+      implementation: None (flashlax's default for the backend: the Pallas kernel on GPU, the blockwise
+        XLA path on CPU), "xla", "pallas" (flashlax's GPU kernel) or "cudnn" (delegated to jax).
+      return_residual: also return jax's residual, the log-sum-exp [B, T, N] in key's dtype, without
+        gradient (a fully masked row gives jax's finite value, -0.7 * float32 max).
+      dropout_rng, dropout_rate, broadcast_dropout, deterministic, dtype, precision, module: the keywords
+        flax passes to an ``attention_fn``. Dropout is not supported (``dropout_rate > 0`` with
+        ``deterministic=False`` raises); ``dtype``, ``precision`` and ``module`` are ignored (float32 is
+        always computed in full precision). Any other keyword is a TypeError, as in jax.
 
-    Also usable as a flax ``attention_fn``: the extra flax keywords are accepted; dropout is not
-    supported (``dropout_rate > 0`` without ``deterministic`` raises), ``dtype``/``precision``/``module``
-    are ignored (float32 is always computed in full precision).
+    Returns:
+      The output in query's shape and dtype, or (output, residual). A row with every key masked gets the
+      mean of the values, exactly as jax's large-negative-logit masking gives.
+
+    Example:
+      >>> x = jnp.ones((2, 8, 4, 16))
+      >>> flashlax.dot_product_attention(x, x, x, is_causal=True).shape
+      (2, 8, 4, 16)
     """
     op = "dot_product_attention"
     if dropout_rate and not deterministic:
         raise ValueError(f"{op}: attention dropout is not supported (dropout_rate={dropout_rate}, "
                          "deterministic=False)")
-    del dropout_rng, broadcast_dropout, dtype, precision, module, unused_flax_kwargs
+    del dropout_rng, broadcast_dropout, dtype, precision, module
     if implementation == "cudnn":
         return jax.nn.dot_product_attention(
             query, key, value, bias, mask, scale=scale, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
             key_value_seq_lengths=key_value_seq_lengths, local_window_size=local_window_size,
             implementation="cudnn", return_residual=return_residual)
-    impl = {None: "xla", "xla": "xla", "pallas": "pallas"}.get(implementation)
-    if impl is None:
+    if implementation not in (None, "xla", "pallas"):
         raise ValueError(f"{op}: unsupported implementation {implementation!r}; valid: None, 'xla', 'cudnn', "
                          "'pallas'")
     output_shape = jnp.shape(query)
     query, key, value = _ensure_4d(query), _ensure_4d(key), _ensure_4d(value)
-    batch, kv_len, kv_heads, head_dim = key.shape
+    batch, _, kv_heads, head_dim = key.shape
     shapes = dict(query=query.shape, key=key.shape, value=value.shape)
     if value.shape != key.shape:
         raise _shape_error(op, "value must have the shape of key [B, S, K, H]", **shapes)
@@ -178,64 +315,44 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     if query.shape[2] % kv_heads:
         raise _shape_error(op, f"query heads N={query.shape[2]} must be a multiple of key/value heads "
                                f"K={kv_heads}", **shapes)
-    q_len, heads = query.shape[1], query.shape[2]
-    full_shape = (batch, heads, q_len, kv_len)
-
-    mask_mods = []
+    full_shape = (batch, query.shape[2], query.shape[1], key.shape[1])
     if mask is not None:
         mask = _ensure_4d(mask)
         if mask.dtype != jnp.bool_:  # flax builds float masks (1 = attend); jax itself wants bool
-            if not (jnp.issubdtype(mask.dtype, jnp.number)):
+            if not jnp.issubdtype(mask.dtype, jnp.number):
                 raise ValueError(f"{op}: mask must be bool (or numeric, nonzero = attend), got {mask.dtype} "
                                  f"(shape {mask.shape})")
             mask = mask != 0
-        mask_mods.append(_broadcast_lookup(mask, "mask", full_shape))
-    if is_causal:
-        mask_mods.append(masks_lib.causal)
-    if local_window_size is not None:
-        if isinstance(local_window_size, numbers.Integral):
-            local_window_size = (int(local_window_size), int(local_window_size))
-        left, right = local_window_size
-        mask_mods.append(masks_lib.sliding_window(int(left), int(right)))
-    for name, lengths in (("query_seq_lengths", query_seq_lengths),
-                          ("key_value_seq_lengths", key_value_seq_lengths)):
-        if lengths is not None:
-            lengths_arr = jnp.asarray(lengths)
-            if lengths_arr.shape != (batch,) or lengths_arr.dtype != jnp.int32:
-                raise ValueError(f"{op}: {name} must be int32 [B={batch}], got {lengths_arr.dtype} "
-                                 f"{lengths_arr.shape}")
-    if query_seq_lengths is not None:
-        q_lens = jnp.asarray(query_seq_lengths)
-        mask_mods.append(lambda b, h, q_idx, kv_idx: q_idx < q_lens[b])
-    if key_value_seq_lengths is not None:
-        kv_lens = jnp.asarray(key_value_seq_lengths)
-        mask_mods.append(lambda b, h, q_idx, kv_idx: kv_idx < kv_lens[b])
-    mask_mod = masks_lib.and_masks(*mask_mods) if mask_mods else None
-
-    score_mod = None
+        _broadcast_lookup(mask, "mask", full_shape)
     if bias is not None:
         bias = _ensure_4d(bias)
-        read_bias = _broadcast_lookup(bias, "bias", full_shape)
-
-        def score_mod(score, b, h, q_idx, kv_idx):
-            return (score + read_bias(b, h, q_idx, kv_idx)).astype(score.dtype)
-
-    q = jnp.swapaxes(query, 1, 2)  # BTNH -> BNTH
-    k = jnp.swapaxes(key, 1, 2)
-    v = jnp.swapaxes(value, 1, 2)
-    out, lse = flex_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod, scale=scale, return_lse=True,
-                              impl=impl)
-    out = jnp.swapaxes(out, 1, 2)  # [B, T, N, H]
-    if mask_mod is not None:
-        # jax masks with a large finite negative logit, so a row with every key masked averages all values.
-        groups = heads // kv_heads
-        mean_v = jnp.repeat(value.astype(jnp.float32).mean(axis=1), groups, axis=1)  # [B, N, H]
-        fully_masked = jnp.swapaxes(lse == -jnp.inf, 1, 2)[..., None]  # [B, T, N, 1]
-        out = jnp.where(fully_masked, mean_v[:, None].astype(out.dtype), out)
-    if query_seq_lengths is not None:
-        rows = jnp.arange(q_len)[None, :, None, None] < jnp.asarray(query_seq_lengths)[:, None, None, None]
-        out = out * rows.astype(out.dtype)
-    out = out.reshape(output_shape)
+        _broadcast_lookup(bias, "bias", full_shape)
+    lengths = {}
+    for name, value_ in (("query_seq_lengths", query_seq_lengths), ("key_value_seq_lengths", key_value_seq_lengths)):
+        if value_ is not None:
+            arr = jnp.asarray(value_)
+            if arr.shape != (batch,) or not jnp.issubdtype(arr.dtype, jnp.integer):
+                raise ValueError(f"{op}: {name} must be integer [B={batch}], got {arr.dtype} {arr.shape}")
+            value_ = arr.astype(jnp.int32)
+        lengths[name] = value_
+    window = None
+    if local_window_size is not None:
+        if isinstance(local_window_size, numbers.Integral):
+            local_window_size = (local_window_size, local_window_size)
+        window = tuple(int(w) for w in local_window_size)
+        if len(window) != 2:
+            raise ValueError(f"{op}: local_window_size must be an int or (left, right), got {local_window_size}")
+    if scale is None or _is_concrete_number(scale):
+        static_scale, dynamic_scale = (None if scale is None else float(scale)), None
+    else:
+        static_scale, dynamic_scale = None, jnp.asarray(scale)
+    if static_scale is not None and not np.isfinite(static_scale):
+        raise ValueError(f"{op}: scale must be finite, got {static_scale}")
+    out = _dot_product_attention(query, key, value, bias, mask, dynamic_scale, lengths["query_seq_lengths"],
+                                 lengths["key_value_seq_lengths"], static_scale=static_scale,
+                                 is_causal=bool(is_causal), window=window, impl=implementation,
+                                 return_residual=bool(return_residual))
     if return_residual:
-        return out, jnp.swapaxes(lse, 1, 2).astype(key.dtype).reshape(output_shape[:-1])
-    return out
+        out, residual = out
+        return out.reshape(output_shape), residual.reshape(output_shape[:-1])
+    return out.reshape(output_shape)

@@ -14,6 +14,20 @@ from flashlax.attention import check_mods, resolve_scale
 MAX_NEW_TOKENS = 16
 
 
+@jax.custom_jvp
+def _not_differentiable(q, k_cache, v_cache):
+    """Identity on the inputs whose derivative raises: decode_attention is an inference op (its loop runs
+    to max(kv_lens), a traced value, which reverse mode cannot follow under jit), and it says so the
+    same way eagerly and under jit, in forward and reverse mode. Train with flex_attention."""
+    return q, k_cache, v_cache
+
+
+@_not_differentiable.defjvp
+def _not_differentiable_jvp(primals, tangents):
+    raise TypeError("decode_attention is not differentiable (an inference op); use flex_attention, which "
+                    "takes the same score_mod / mask_mod, for gradients")
+
+
 def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, *, kv_lens: jax.Array | None = None,
                      scale: float | None = None, num_splits: int | None = None, score_mod: Callable | None = None,
                      mask_mod: Callable | None = None, return_lse: bool = False, impl: str | None = None,
@@ -21,11 +35,13 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, *, kv
     """Attention of 1..16 new tokens against a KV cache (split-KV flash decoding).
 
     q: [B, Hq, Lq, D] with 1 <= Lq <= 16; k_cache: [B, Hkv, Lmax, D]; v_cache: [B, Hkv, Lmax, Dv];
-    kv_lens: int32 [B] valid cache lengths including the new tokens (default Lmax). New token i sits at
+    kv_lens: integer [B] valid cache lengths including the new tokens (default Lmax); concrete values
+    outside [Lq, Lmax] raise ValueError, traced ones give NaN rows for that batch element. New token i sits at
     position kv_lens - Lq + i and sees cache positions <= its own (mods get that position as q_idx).
     num_splits: parts of the cache reduced in parallel and merged by log-sum-exp (None: chosen from the
     shape and the device). Returns out [B, Hq, Lq, Dv] in q's dtype (and lse [B, Hq, Lq] float32).
-    Changing kv_lens values never recompiles; cache rows past kv_lens are never used.
+    Changing kv_lens values never recompiles; cache rows past kv_lens are never used. Not differentiable
+    (an inference op): differentiating it raises TypeError; train with flex_attention.
     """
     op = "decode_attention"
     q, k_cache, v_cache = jnp.asarray(q), jnp.asarray(k_cache), jnp.asarray(v_cache)
@@ -56,21 +72,38 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, *, kv
         raise ValueError(f"{op}: cache length Lmax={max_len} is shorter than the Lq={q_len} new tokens "
                          f"(got {shapes})")
     check_mods(op, score_mod, mask_mod)
+    traced_lens = False
     if kv_lens is None:
         kv_lens = jnp.full((batch,), max_len, jnp.int32)
     else:
         kv_lens = jnp.asarray(kv_lens)
-        if kv_lens.shape != (batch,) or kv_lens.dtype != jnp.int32:
-            raise ValueError(f"{op}: kv_lens must be int32 [B={batch}], got {kv_lens.dtype} {kv_lens.shape}")
-        if not isinstance(kv_lens, jax.core.Tracer):
+        if kv_lens.shape != (batch,) or not jnp.issubdtype(kv_lens.dtype, jnp.integer):
+            raise ValueError(f"{op}: kv_lens must be integer [B={batch}], got {kv_lens.dtype} {kv_lens.shape}")
+        if isinstance(kv_lens, jax.core.Tracer):
+            traced_lens = True
+        else:
             lens = np.asarray(kv_lens)
             if lens.min() < q_len or lens.max() > max_len:
                 raise ValueError(f"{op}: kv_lens must lie in [Lq={q_len}, Lmax={max_len}] (they include the new "
                                  f"tokens), got {lens.tolist()}")
+        # int64 under jax_enable_x64: values are checked (eagerly) or NaN-guarded (traced) against Lmax,
+        # which fits int32, so the cast is exact wherever the result is used.
+        kv_lens = jnp.clip(kv_lens, -1, max_len + 1).astype(jnp.int32)
     if num_splits is not None and (not isinstance(num_splits, (int, np.integer)) or isinstance(num_splits, bool)
                                    or not 1 <= num_splits <= max_len):
         raise ValueError(f"{op}: num_splits must be None or an int in [1, Lmax={max_len}], got {num_splits!r}")
-    scale = resolve_scale(op, scale, head_dim)
+    scale, score_mod = resolve_scale(op, scale, head_dim, score_mod)
     _, fn = dispatch.resolve(op, impl, interpret=interpret)
-    return fn(q, k_cache, v_cache, kv_lens=kv_lens, scale=scale, num_splits=num_splits, score_mod=score_mod,
-              mask_mod=mask_mod, return_lse=bool(return_lse), interpret=interpret)
+    q, k_cache, v_cache = _not_differentiable(q, k_cache, v_cache)
+    result = fn(q, k_cache, v_cache, kv_lens=kv_lens, scale=scale, num_splits=num_splits, score_mod=score_mod,
+                mask_mod=mask_mod, return_lse=bool(return_lse), interpret=interpret)
+    if not traced_lens:
+        return result
+    # Traced kv_lens cannot be checked here: a batch element whose length lies outside [Lq, Lmax] gets NaN
+    # rows (output and lse) instead of plausible numbers.
+    bad = (kv_lens < q_len) | (kv_lens > max_len)
+    if return_lse:
+        out, lse = result
+        return (jnp.where(bad[:, None, None, None], jnp.nan, out),
+                jnp.where(bad[:, None, None], jnp.nan, lse))
+    return jnp.where(bad[:, None, None, None], jnp.nan, result)

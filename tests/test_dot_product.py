@@ -119,6 +119,81 @@ def test_return_residual():
     assert rel_err(lse, ref_lse) <= TOLERANCES["float32"]
 
 
+def test_residual_has_no_gradient_and_jax_value_on_fully_masked_rows():
+    """jax returns the residual through stop_gradient, and a fully masked row's residual is the finite
+    log-sum-exp of its large negative logits."""
+    q, k, v, extras = _inputs(seed=6)
+    mask = extras["mask"]  # row 3 of batch 0 fully masked
+
+    def residual_sum(fn, q, k, v):
+        return fn(q, k, v, mask=mask, return_residual=True)[1].sum()
+
+    grads = jax.grad(lambda *a: residual_sum(flashlax.dot_product_attention, *a), (0, 1, 2))(q, k, v)
+    ref_grads = jax.grad(lambda *a: residual_sum(jax.nn.dot_product_attention, *a), (0, 1, 2))(q, k, v)
+    for g, r in zip(grads, ref_grads):
+        np.testing.assert_array_equal(g, r)            # zeros, as jax's
+    _, res = flashlax.dot_product_attention(q, k, v, mask=mask, return_residual=True)
+    _, ref = jax.nn.dot_product_attention(q, k, v, mask=mask, return_residual=True)
+    assert np.all(np.isfinite(res))
+    np.testing.assert_allclose(res[0, 3], ref[0, 3], rtol=1e-6)   # the fully masked row, every head
+    assert rel_err(res, ref) <= TOLERANCES["float32"]
+
+
+def test_unknown_keyword_is_a_type_error():
+    q, k, v, _ = _inputs()
+    with pytest.raises(TypeError, match="is_casual"):
+        flashlax.dot_product_attention(q, k, v, is_casual=True)
+    with pytest.raises(TypeError):
+        jax.nn.dot_product_attention(q, k, v, is_casual=True)  # the behaviour we copy
+
+
+def test_traced_scale_jit_argument_and_gradient():
+    q, k, v, extras = _inputs(seed=8)
+
+    def loss(fn, scale, q):
+        return jnp.sum(fn(q, k, v, scale=scale, is_causal=True) * extras["dout"])
+
+    value, dscale = jax.jit(jax.value_and_grad(lambda s, q: loss(flashlax.dot_product_attention, s, q)))(0.37, q)
+    ref_value, ref_dscale = jax.value_and_grad(lambda s, q: loss(jax.nn.dot_product_attention, s, q))(0.37, q)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+    np.testing.assert_allclose(dscale, ref_dscale, rtol=1e-4)
+
+
+@pytest.mark.parametrize("window", [(-1, 3), (2, -1), (-2, -2)])
+def test_negative_window_entries_match_jax(window):
+    q, k, v, _ = _inputs(seed=9)
+    out = flashlax.dot_product_attention(q, k, v, local_window_size=window)
+    ref = jax.nn.dot_product_attention(q, k, v, local_window_size=window)
+    assert rel_err(out, ref) <= TOLERANCES["float32"]
+
+
+def test_debug_infs_with_fully_masked_rows():
+    q, k, v, extras = _inputs(seed=10)
+    mask = extras["mask"]
+    with jax.debug_infs(True):
+        out = flashlax.dot_product_attention(q, k, v, mask=mask)
+        grads = jax.grad(lambda q: flashlax.dot_product_attention(q, k, v, mask=mask).sum())(q)
+        ref = jax.nn.dot_product_attention(q, k, v, mask=mask)
+    assert rel_err(out, ref) <= TOLERANCES["float32"]
+    assert np.all(np.isfinite(grads))
+
+
+def test_vmap_over_an_extra_batch_axis():
+    """jax's batching tests: vmap over a leading axis of q/k/v and the bias (with rank promotion 'raise')."""
+    keys = jax.random.split(jax.random.PRNGKey(12), 4)
+    qs = jax.random.normal(keys[0], (3, B, T, N, H))
+    ks = jax.random.normal(keys[1], (3, B, S, K, H))
+    vs = jax.random.normal(keys[2], (3, B, S, K, H))
+    bias = jax.random.normal(keys[3], (3, 1, N, T, S))
+    fn = lambda impl: jax.vmap(lambda q, k, v, b: impl(q, k, v, bias=b, is_causal=True))
+    out = fn(flashlax.dot_product_attention)(qs, ks, vs, bias)
+    ref = fn(jax.nn.dot_product_attention)(qs, ks, vs, bias)
+    assert rel_err(out, ref) <= TOLERANCES["float32"]
+    dbias = jax.grad(lambda b: fn(flashlax.dot_product_attention)(qs, ks, vs, b).sum())(bias)
+    ref_dbias = jax.grad(lambda b: fn(jax.nn.dot_product_attention)(qs, ks, vs, b).sum())(bias)
+    assert rel_err(dbias, ref_dbias) <= 4 * TOLERANCES["float32"]
+
+
 def test_flax_nnx_attention_fn():
     nnx = pytest.importorskip("flax.nnx")
     features, heads, length = 48, 4, 11
@@ -166,8 +241,8 @@ def test_pallas_implementation_on_cpu():
     (dict(mask=jnp.ones((1, 1, T, S + 1), bool)), "mask shape"),
     (dict(bias=jnp.ones((1, 4, T, S))), "not broadcastable"),
     (dict(bias=jnp.ones((1, 1, 1, T, S))), "bias must be 4-D"),
-    (dict(query_seq_lengths=jnp.ones((B,), jnp.float32)), "query_seq_lengths must be int32"),
-    (dict(key_value_seq_lengths=jnp.ones((B + 1,), jnp.int32)), "key_value_seq_lengths must be int32"),
+    (dict(query_seq_lengths=jnp.ones((B,), jnp.float32)), "query_seq_lengths must be integer"),
+    (dict(key_value_seq_lengths=jnp.ones((B + 1,), jnp.int32)), "key_value_seq_lengths must be integer"),
 ])
 def test_errors(kwargs, message):
     q, k, v, _ = _inputs()

@@ -328,7 +328,8 @@ def _bad_calls():
         ("multiple of KV heads", (jnp.ones((2, 3, 8, 16)), k, v), {}),
         ("head dims", (jnp.ones((2, 4, 8, 32)), k, v), {}),
         ("v length", (q, k, jnp.ones((2, 2, 9, 16))), {}),
-        ("batch sizes", (jnp.ones((1, 4, 8, 16)), k, v), {}),
+        ("batch size that is q's or 1", (jnp.ones((1, 4, 8, 16)), k, v), {}),
+        ("batch size that is q's or 1", (q, k[:1], v), {}),
         ("same dtype", (q.astype(jnp.bfloat16), k, v), {}),
         ("floating dtype", (q.astype(jnp.int32), k.astype(jnp.int32), v.astype(jnp.int32)), {}),
         ("mask_mod must be callable", (q, k, v), dict(mask_mod=3)),
@@ -346,6 +347,29 @@ def test_errors(message, args, kwargs):
         flashlax.flex_attention(*args, **kwargs)
     if "dtype" not in message and "callable" not in message and "impl" not in message:
         assert "(" in str(info.value)  # names the shapes it saw
+
+
+@pytest.mark.parametrize("impl,interpret", [("xla", False), ("repeat", False), ("pallas", True)])
+def test_kv_batch_one_broadcasts(impl, interpret):
+    """K/V with batch 1 against q with batch B (as FlexAttention): equal to K/V repeated over the batch,
+    and the K/V gradient is the sum over the batch."""
+    q, k, v, dout, _ = _inputs(21, 3, 4, 2, 19, 23, 16, 16)
+    k1, v1 = k[:1], v[:1]
+    kw = dict(mask_mod=masks.causal, impl=impl, interpret=interpret)
+
+    def loss(q, k, v):
+        return jnp.sum(flashlax.flex_attention(q, k, v, **kw) * dout)
+
+    out = flashlax.flex_attention(q, k1, v1, **kw)
+    grads = jax.grad(loss, (0, 1, 2))(q, k1, v1)
+    rep = lambda x: jnp.broadcast_to(x, (3,) + x.shape[1:])
+    ref = flashlax.flex_attention(q, rep(k1), rep(v1), **kw)
+    ref_dq, ref_dk, ref_dv = jax.grad(loss, (0, 1, 2))(q, rep(k1), rep(v1))
+    np.testing.assert_allclose(out, ref, rtol=1e-6, atol=1e-6)
+    assert grads[1].shape == k1.shape
+    np.testing.assert_allclose(grads[0], ref_dq, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(grads[1], ref_dk.sum(0, keepdims=True), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(grads[2], ref_dv.sum(0, keepdims=True), rtol=1e-5, atol=1e-5)
 
 
 def test_pallas_on_cpu_needs_interpret():

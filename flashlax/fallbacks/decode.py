@@ -19,7 +19,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from flashlax import dispatch
-from flashlax.fallbacks.attention import F32, NEG_INF, precision_for
+from flashlax import _mods
+from flashlax.fallbacks.attention import NEG_INF, acc_dtype, masked_score_mod, precision_for
 
 DEFAULT_BLOCK_KV = 1024  # cache rows per step and split (fastest of 512-16384 on the 2-core CPU, PERF_NOTES)
 
@@ -58,13 +59,14 @@ def decode_attention_xla(q, k_cache, v_cache, *, kv_lens, scale, num_splits=None
     # chunks are a reshape of the cache (no copies).
     in_place = chunk == split_len and splits * split_len == max_len
     precision = precision_for(q.dtype)
+    acc_t = acc_dtype(q.dtype)
     kv_lens = jnp.asarray(kv_lens, jnp.int32)
 
     q_rows = q.reshape(batch, kv_heads, rows, head_dim)
     i32 = jnp.int32
     b_idx = jnp.arange(batch, dtype=i32).reshape(batch, 1, 1, 1, 1, 1)
     h_idx = jnp.arange(q_heads, dtype=i32).reshape(1, kv_heads, 1, groups, 1, 1)
-    q_pos = (kv_lens[:, None] - q_len + jnp.arange(q_len, dtype=i32)).reshape(batch, 1, 1, 1, q_len, 1)
+    q_pos = (kv_lens[:, None] - q_len + jnp.arange(q_len, dtype=i32)[None, :]).reshape(batch, 1, 1, 1, q_len, 1)
     split_lo = jnp.arange(splits, dtype=i32) * split_len  # [S]
     split_hi = jnp.minimum(split_lo + split_len, max_len)
     tile6 = (batch, kv_heads, splits, groups, q_len, chunk)
@@ -79,29 +81,29 @@ def decode_attention_xla(q, k_cache, v_cache, *, kv_lens, scale, num_splits=None
         else:
             k_t = jnp.stack([lax.dynamic_slice_in_dim(k_cache, starts[s], chunk, axis=2) for s in range(splits)], 2)
             v_t = jnp.stack([lax.dynamic_slice_in_dim(v_cache, starts[s], chunk, axis=2) for s in range(splits)], 2)
-        pos = starts[:, None] + jnp.arange(chunk, dtype=i32)  # [S, C]
+        pos = starts[:, None] + jnp.arange(chunk, dtype=i32)[None, :]  # [S, C]
         owned = (pos >= nominal[:, None]) & (pos < split_hi[:, None])
         in_cache = pos[None] < kv_lens[:, None, None]  # [B, S, C]
         v_t = jnp.where(in_cache[:, None, :, :, None], v_t, 0)  # garbage past kv_lens must not reach P @ V
-        s = jnp.einsum("bhmd,bhscd->bhsmc", q_rows, k_t, precision=precision, preferred_element_type=F32)
+        s = jnp.einsum("bhmd,bhscd->bhsmc", q_rows, k_t, precision=precision, preferred_element_type=acc_t)
         s = (s * scale).reshape(tile6)
         kv_idx = pos.reshape(1, 1, splits, 1, 1, chunk)
-        if score_mod is not None:
-            s = jnp.broadcast_to(score_mod(s, b_idx, h_idx, q_pos, kv_idx), tile6).astype(F32)
         allowed = owned.reshape(1, 1, splits, 1, 1, chunk) & (kv_idx <= q_pos)
         if mask_mod is not None:
-            allowed = allowed & mask_mod(b_idx, h_idx, q_pos, kv_idx)
-        s = jnp.where(allowed, s, NEG_INF).reshape(batch, kv_heads, splits, rows, chunk)
+            allowed = allowed & _mods.apply_mod(mask_mod, b_idx, h_idx, q_pos, kv_idx)
+        allowed = jnp.broadcast_to(allowed, tile6)
+        s = masked_score_mod(score_mod, s, allowed, b_idx, h_idx, q_pos, kv_idx)
+        s = s.reshape(batch, kv_heads, splits, rows, chunk)
         m_new = jnp.maximum(m, s.max(-1))
         m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)  # rows with nothing allowed yet: exp() stays 0
         p = jnp.exp(s - m_safe[..., None])
         alpha = jnp.exp(m - m_safe)
         pv = jnp.einsum("bhsmc,bhscd->bhsmd", p.astype(v_t.dtype), v_t, precision=precision,
-                        preferred_element_type=F32)
+                        preferred_element_type=acc_t)
         return m_new, alpha * l + p.sum(-1), alpha[..., None] * acc + pv
 
     state = (batch, kv_heads, splits, rows)
-    init = (jnp.full(state, NEG_INF, F32), jnp.zeros(state, F32), jnp.zeros(state + (dv,), F32))
+    init = (jnp.full(state, NEG_INF, acc_t), jnp.zeros(state, acc_t), jnp.zeros(state + (dv,), acc_t))
     # Steps needed by the longest sequence (split 0 is the fullest); a traced trip count: no recompiles.
     steps = _cdiv(jnp.minimum(jnp.max(kv_lens), split_len), chunk)
     m, l, acc = lax.fori_loop(0, steps.astype(i32), step, init)

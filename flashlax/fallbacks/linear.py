@@ -125,7 +125,7 @@ def _unit_lower_inverse(a):
     # One flat batch axis for the 8x8 products (with the batch axes as they are, XLA CPU's algebraic
     # simplifier hit a RET_CHECK on the transposes around them in a fwd+bwd of chunked_fat, jax 0.11.2).
     diag = diag.reshape((-1, block, block))
-    eye = jnp.eye(block, dtype=a.dtype)
+    eye = jnp.eye(block, dtype=a.dtype)[None]
     sq = _mm("bij,bjk->bik", diag, diag)
     inv = _mm("bij,bjk->bik", eye - diag, eye + sq)
     sq = _mm("bij,bjk->bik", sq, sq)
