@@ -48,6 +48,7 @@ TABLE: dict[str, dict[str, Impl]] = {
     },
     "decode_attention": {
         "xla": Impl("xla", "xla", f"{_F}.decode:decode_attention_xla"),
+        "pallas": Impl("pallas", "pallas", f"{_K}.decode:decode_attention_pallas"),
     },
     "gated_delta_rule": {
         "recurrent": Impl("recurrent", "xla", f"{_F}.linear:gated_delta_rule_recurrent"),
