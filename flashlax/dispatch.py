@@ -62,7 +62,7 @@ TABLE: dict[str, dict[str, Impl]] = {
 # Default implementation per (op, backend family).
 DEFAULTS: dict[str, dict[str, str]] = {
     "flex_attention": {"cpu": "xla", "gpu": "pallas"},
-    "decode_attention": {"cpu": "xla", "gpu": "xla"},
+    "decode_attention": {"cpu": "xla", "gpu": "pallas"},
     "gated_delta_rule": {"cpu": "chunked", "gpu": "chunked"},
 }
 

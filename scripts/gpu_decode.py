@@ -30,7 +30,8 @@ import numpy as np  # noqa: E402
 
 from _gpu_common import log, rel, rnd  # noqa: E402 (scripts/ is on sys.path)
 from flashlax.kernels.configs import DecodeConfig, decode_config  # noqa: E402
-from flashlax.kernels.decode import choose_num_splits, decode_attention_pallas, merge_splits  # noqa: E402
+from flashlax.kernels.decode import (choose_num_splits, decode_attention_pallas, kernel_outputs,  # noqa: E402
+                                    merge_splits)
 
 HQ, HKV, D = 32, 8, 128
 COPY_TBPS = 4.3
@@ -51,7 +52,58 @@ VARIANTS = {
     (1, 16, 65536): BASE + [("splits x2", None, "x2"), ("bk64 w8 s3", dict(num_warps=8), None)] + CFG_SWEEP[:2],
     (4, 4, 32768): BASE + [("splits /2", None, "/2")] + CFG_SWEEP[:1] + CFG_SWEEP[2:],
 }
+# Call 2 (after the split rule changed to one wave): where the rest of the time goes. "kernel only" is the
+# kernel without the merge (partials out); "pallas merge" replaces the fused XLA merge by one small Pallas
+# kernel (below); programs_per_sm 3 with 2 stages fits three programs per SM.
+ROUND2 = {
+    (1, 1, 65536): BASE + [("kernel only", "kernel", None), ("pallas merge", "pallas_merge", None),
+                           ("bk64 s2 pps3", dict(num_stages=2, programs_per_sm=3), None),
+                           ("bk32 s4", dict(block_kv=32, num_stages=4), None)],
+    (1, 1, 16384): BASE + [("kernel only", "kernel", None), ("pallas merge", "pallas_merge", None)],
+    (8, 1, 16384): BASE + [("kernel only", "kernel", None), ("bk64 s2 pps3", dict(num_stages=2, programs_per_sm=3),
+                                                             None)],
+    (1, 16, 65536): BASE + [("kernel only", "kernel", None), ("pallas merge", "pallas_merge", None),
+                            ("splits 16", None, 16)],
+}
 RESULTS: list[dict] = []
+
+
+def pallas_merge(parts, lse, out_dtype, block_d: int | None = None):
+    """The split merge as one Pallas kernel: grid (B * Hkv, Dv / block_d), each program loads all splits'
+    lse [S, rows] and partial outputs [S, rows, block_d] (padded to powers of two, masked) and writes
+    out [B, Hkv, rows, Dv]."""
+    from jax.experimental import pallas as pl  # noqa: PLC0415
+    from jax.experimental.pallas import triton as plgpu  # noqa: PLC0415
+    from flashlax.kernels._tiles import pow2  # noqa: PLC0415
+
+    batch, heads, splits, rows, dv = parts.shape
+    sp, rp = pow2(splits), pow2(rows)
+    block_d = block_d or max(4, min(32, 4096 // (sp * rp)))   # at most 4096 float32 per [S, rows, d] tile
+
+    def kernel(p_ref, l_ref, o_ref):
+        d0 = pl.program_id(1) * block_d
+        s_ok = jnp.arange(sp, dtype=jnp.int32) < splits
+        r_ok = jnp.arange(rp, dtype=jnp.int32) < rows
+        sr = s_ok[:, None] & r_ok[None, :]
+        lse_t = plgpu.load(l_ref.at[pl.ds(0, sp), pl.ds(0, rp)], mask=sr, other=-jnp.inf)
+        m = jnp.max(lse_t, axis=0)
+        m = jnp.where(m == -jnp.inf, 0.0, m)
+        w = jnp.exp(lse_t - m[None, :])
+        total = jnp.sum(w, axis=0)
+        o = plgpu.load(p_ref.at[pl.ds(0, sp), pl.ds(0, rp), pl.ds(d0, block_d)],
+                       mask=jnp.broadcast_to(sr[:, :, None], (sp, rp, block_d)), other=0.0)
+        out = jnp.sum(o * w[:, :, None], axis=0) / jnp.where(total > 0, total, 1.0)[:, None]
+        plgpu.store(o_ref.at[pl.ds(0, rp), pl.ds(d0, block_d)], out.astype(o_ref.dtype),
+                    mask=jnp.broadcast_to(r_ok[:, None], (rp, block_d)))
+
+    return pl.pallas_call(
+        kernel, grid=(batch * heads, dv // block_d),
+        in_specs=[pl.BlockSpec((None, None, splits, rows, dv), lambda i, j: (i // heads, i % heads, 0, 0, 0)),
+                  pl.BlockSpec((None, None, splits, rows), lambda i, j: (i // heads, i % heads, 0, 0))],
+        out_specs=pl.BlockSpec((None, None, rows, dv), lambda i, j: (i // heads, i % heads, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((batch, heads, rows, dv), out_dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=jax.default_backend() == "cpu", name="decode_merge")(parts, lse)
 
 
 def timed(fn, arg_sets, *, calls: int, reps: int, singles: int, sync=jax.block_until_ready):
@@ -120,7 +172,7 @@ def run_shape(shape, args, deadline: float, torch):
     ref = np.asarray(btnh(ref), np.float32)
     thr, lat = timed(jax_peer("xla"), peer_sets, **timing)
     record(shape, "jax_xla", kv_bytes, thr, lat, 0.0)
-    if not args.tiny:
+    if not (args.tiny or args.no_peers):
         try:
             out = jax_peer("cudnn")(*peer_sets[0])
             err = rel(np.asarray(btnh(out), np.float32), ref)
@@ -145,7 +197,15 @@ def run_shape(shape, args, deadline: float, torch):
             del tsets
         except Exception as exc:  # noqa: BLE001
             log(f"torch_sdpa failed: {type(exc).__name__}: {str(exc)[:200]}")
-    from flashlax.fallbacks.decode import decode_attention_xla
+    if args.round == 1:
+        run_xla_path(shape, sets, ref, kv_bytes, timing)
+    run_variants(shape, sets, ref, kv_bytes, timing, args, deadline)
+    del sets, peer_sets
+
+
+def run_xla_path(shape, sets, ref, kv_bytes, timing):
+    from flashlax.fallbacks.decode import decode_attention_xla  # noqa: PLC0415
+    b, lq, lkv = shape
     xla_fn = jax.jit(lambda q, k, v: decode_attention_xla(q, k, v, kv_lens=jnp.full((b,), lkv, jnp.int32),
                                                           scale=D ** -0.5))
     with jax.numpy_rank_promotion("allow"):
@@ -153,22 +213,36 @@ def run_shape(shape, args, deadline: float, torch):
         thr, lat = timed(xla_fn, sets, **timing)
     record(shape, "decode_xla (flashlax xla path)", kv_bytes, thr, lat, err)
 
+
+def run_variants(shape, sets, ref, kv_bytes, timing, args, deadline):
+    b, lq, lkv = shape
+    dtype = jnp.bfloat16
     shipped = decode_config(D, D, dtype, "NVIDIA H200" if args.tiny else None)
     lens = jnp.full((b,), lkv, jnp.int32)
     for name, overrides, split_spec in VARIANTS[shape]:
         if time.perf_counter() > deadline:
             log(f"deadline: skipping {name} and the rest of B{b} Lq{lq} L{lkv}")
             break
-        cfg = dataclasses.replace(shipped, **(overrides or {}))
+        stage = overrides if isinstance(overrides, str) else None
+        cfg = dataclasses.replace(shipped, **(overrides if isinstance(overrides, dict) else {}))
         splits = splits_for(shape, cfg, split_spec, HQ // HKV * lq)
-        fn = jax.jit(lambda q, k, v, cfg=cfg, splits=splits: decode_attention_pallas(
-            q, k, v, kv_lens=lens, num_splits=splits, config=cfg, interpret=args.tiny,
-            device_kind="NVIDIA H200" if args.tiny else None))
+        kind = "NVIDIA H200" if args.tiny else None
+        if stage is None:
+            fn = jax.jit(lambda q, k, v, cfg=cfg, splits=splits: decode_attention_pallas(
+                q, k, v, kv_lens=lens, num_splits=splits, config=cfg, interpret=args.tiny, device_kind=kind))
+        else:
+            def fn(q, k, v, cfg=cfg, splits=splits, stage=stage):
+                parts, lse, used = kernel_outputs(q, k, v, lens, scale=D ** -0.5, num_splits=splits, config=cfg,
+                                                  interpret=args.tiny, device_kind=kind)
+                if stage == "kernel" or used == 1:   # partials (or one split's final output)
+                    return parts
+                return pallas_merge(parts, lse, dtype).reshape(b, HQ, lq, D)
+            fn = jax.jit(fn)
         try:
             start = time.perf_counter()
             out = np.asarray(fn(*sets[0]), np.float32)
             compile_s = time.perf_counter() - start
-            err = rel(out, ref)
+            err = rel(out, ref) if out.shape == ref.shape else None
             thr, lat = timed(fn, sets, **timing)
         except Exception as exc:  # noqa: BLE001
             log(f"pallas {name} failed: {type(exc).__name__}: {str(exc)[:400]}")
@@ -184,7 +258,6 @@ def run_shape(shape, args, deadline: float, torch):
                   jnp.zeros((b, HKV, splits, HQ // HKV * lq), jnp.float32))]
         thr, lat = timed(jax.jit(merge_splits), parts, **timing)
         record(shape, f"merge alone (S={splits})", kv_bytes, thr, lat, None)
-    del sets, peer_sets
 
 
 def main():
@@ -195,8 +268,13 @@ def main():
     p.add_argument("--calls", type=int, default=50)
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--singles", type=int, default=20)
+    p.add_argument("--round", type=int, default=1, help="1: the first call's sweep; 2: ROUND2")
+    p.add_argument("--no-peers", action="store_true", help="skip jax_cudnn and torch_sdpa")
     args = p.parse_args()
     global SHAPES, VARIANTS
+    if args.round == 2:
+        VARIANTS = ROUND2
+        SHAPES = list(ROUND2)
     if args.tiny:
         jax.config.update("jax_platforms", "cpu")
         scaled = {s: (min(s[0], 2), s[1], s[2] // 256) for s in SHAPES}
@@ -207,7 +285,7 @@ def main():
     dev = jax.devices()[0]
     log(f"device {dev.device_kind}, core_count {getattr(dev, 'core_count', None)}, jax {jax.__version__}")
     torch = None
-    if not args.tiny:
+    if not (args.tiny or args.no_peers):
         try:
             import torch  # noqa: PLC0415
             log(f"torch {torch.__version__}")

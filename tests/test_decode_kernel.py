@@ -254,13 +254,15 @@ def test_oversized_decode_config_is_rejected_and_shrunk():
 
 
 def test_num_splits_choice():
-    """Small batches get many splits, large ones few; every split covers at least min_split_tiles tiles."""
+    """One wave of programs (two per SM on the H200): the split counts measured fastest there for the
+    issue-14 shapes; never fewer than min_split_tiles tiles per split, never fewer than one split."""
     cfg = DECODE_CONFIGS["h200"][(128, "16")]
-    few_rows = choose_num_splits(1, 8, 65536, config=cfg, multiprocessors=132)
-    assert few_rows * 8 >= 132
-    assert 65536 // cfg.block_kv // few_rows >= cfg.min_split_tiles
-    assert choose_num_splits(64, 8, 4096, config=cfg, multiprocessors=132) <= 2
-    assert choose_num_splits(1, 1, 100, config=cfg, multiprocessors=132) == 1
+    assert cfg.programs_per_sm == 2
+    chosen = {(b, lkv): choose_num_splits(b, 8, lkv, config=cfg, multiprocessors=132)
+              for b, lkv in ((1, 65536), (1, 16384), (8, 16384), (32, 4096), (4, 32768), (64, 4096))}
+    assert chosen == {(1, 65536): 32, (1, 16384): 32, (8, 16384): 4, (32, 4096): 1, (4, 32768): 8, (64, 4096): 1}
+    assert choose_num_splits(1, 1, 100, config=cfg, multiprocessors=132) == 1       # 2 tiles < min_split_tiles
+    assert choose_num_splits(1, 8, 65536, config=cfg, multiprocessors=132, row_blocks=4) == 8
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -214,15 +214,17 @@ class DecodeConfig:
     (the G query heads x Lq new tokens, padded to a power of two >= 16 in registers) over one split of the
     cache, ``block_kv`` keys per loop step; Triton ``num_warps`` / ``num_stages``.
 
-    num_splits=None picks splits so that about ``programs_per_sm`` programs per multiprocessor run (at
-    least one split, each split at least ``min_split_tiles`` tiles long).
+    num_splits=None picks the most splits whose programs all run at once, ``programs_per_sm`` per
+    multiprocessor (at least one split, each at least ``min_split_tiles`` tiles long). H200, D128 bf16
+    (64-key tiles, 3 stages: about 100 KB of shared memory, two programs per SM): one wave of 256 programs
+    was fastest at every measured shape (docs/PERF_NOTES.md).
     """
 
     block_kv: int = 64
     num_warps: int = 4
     num_stages: int = 3
     block_rows: int = 64
-    programs_per_sm: int = 4
+    programs_per_sm: int = 2
     min_split_tiles: int = 4
 
     def __post_init__(self):

@@ -30,6 +30,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -222,14 +223,18 @@ def merge_splits(out_parts, lse_parts):
 
 def choose_num_splits(batch: int, kv_heads: int, max_len: int, *, config: DecodeConfig | None = None,
                       row_blocks: int = 1, device_kind: str | None = None, multiprocessors: int | None = None) -> int:
-    """Splits for the shape and device: enough programs for ``config.programs_per_sm`` per multiprocessor
-    (small batches need many splits, large batches few), each split at least ``config.min_split_tiles``
-    tiles long; the count is then trimmed so the splits cover the tiles evenly."""
+    """Splits for the shape and device: the most that keep every program of the call resident at once
+    (``config.programs_per_sm`` per multiprocessor; small batches need many splits, large batches one),
+    each split at least ``config.min_split_tiles`` tiles long; the count is then trimmed so the splits
+    cover the tiles evenly."""
     cfg = config or decode_config(128, 128, jnp.bfloat16, device_kind)
     sms = multiprocessors or num_sms(device_kind)
     tiles = _cdiv(max_len, cfg.block_kv)
-    want = _cdiv(cfg.programs_per_sm * sms, batch * kv_heads * row_blocks)
-    tiles_per_split = max(cfg.min_split_tiles, _cdiv(tiles, max(1, want)))
+    # One wave: as many splits as fit next to the other groups' programs (rounding down; H200: 32 splits of
+    # a B1 Hkv8 cache took 0.075 ms at L65536, 64 splits 0.080, 128 splits 0.079; B32 L4096 1 split 0.131,
+    # 2 splits 0.148; docs/PERF_NOTES.md).
+    want = max(1, cfg.programs_per_sm * sms // (batch * kv_heads * row_blocks))
+    tiles_per_split = max(cfg.min_split_tiles, _cdiv(tiles, want))
     return _cdiv(tiles, tiles_per_split)
 
 
@@ -276,6 +281,26 @@ def decode_attention_pallas(q, k_cache, v_cache, *, kv_lens=None, scale=None, nu
         from flashlax.fallbacks.decode import decode_attention_xla
         return decode_attention_xla(q, k_cache, v_cache, kv_lens=kv_lens, scale=scale, num_splits=num_splits,
                                     score_mod=score_mod, mask_mod=mask_mod, return_lse=return_lse)
+    out, lse, splits = kernel_outputs(q, k_cache, v_cache, kv_lens, scale=scale, num_splits=num_splits,
+                                      score_tm=score_tm, mask_tm=mask_tm, interpret=interpret, config=config,
+                                      device_kind=device_kind)
+    if splits > 1:
+        out, lse = merge_splits(out, lse)
+    out = out.astype(q.dtype).reshape(batch, q_heads, q_len, dv)
+    if not return_lse:
+        return out
+    return out, lse.reshape(batch, q_heads, q_len)
+
+
+def kernel_outputs(q, k_cache, v_cache, kv_lens, *, scale: float, num_splits, score_tm: TileMod | None = None,
+                   mask_tm: TileMod | None = None, interpret: bool = False, config: DecodeConfig | None = None,
+                   device_kind: str | None = None):
+    """The kernel's launch for validated inputs (kv_lens int32 [B], scale a float, mods as TileMods):
+    ``(out, lse, splits)``, with out [B, Hkv, G * Lq, Dv] in q's dtype and lse [B, Hkv, G * Lq] when
+    splits == 1, else the float32 partials [B, Hkv, splits, G * Lq, Dv] and [B, Hkv, splits, G * Lq] for
+    :func:`merge_splits`. Picks and checks the config and the split count."""
+    batch, q_heads, q_len, d = q.shape
+    _, kv_heads, max_len, dv = v_cache.shape
     tile_reads = sum(tm.tile_reads for tm in (score_tm, mask_tm) if tm is not None)
     kind = device_kind
     if kind is None:
@@ -297,8 +322,9 @@ def decode_attention_pallas(q, k_cache, v_cache, *, kv_lens=None, scale=None, nu
     if num_splits is None:
         num_splits = choose_num_splits(batch, kv_heads, max_len, config=cfg, row_blocks=row_blocks,
                                        device_kind=None if interpret else kind)
-    if not isinstance(num_splits, int) or num_splits < 1:
+    if isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)) or num_splits < 1:
         raise ValueError(f"decode_attention_pallas: num_splits must be None or a positive int, got {num_splits!r}")
+    num_splits = int(num_splits)
     # Splits beyond one per tile would be empty: the same result with fewer programs.
     tiles_per_split = _cdiv(tiles, min(num_splits, tiles))
     splits = _cdiv(tiles, tiles_per_split)
@@ -308,9 +334,4 @@ def decode_attention_pallas(q, k_cache, v_cache, *, kv_lens=None, scale=None, nu
     captured = tuple(jnp.asarray(c) for tm in (score_tm, mask_tm) if tm is not None for c in tm.captured)
     n_score_cap = score_tm.num_captured if score_tm is not None else 0
     out, lse = _decode_call(st, q, k_cache, v_cache, kv_lens, captured, n_score_cap)
-    if splits > 1:
-        out, lse = merge_splits(out, lse)
-    out = out.astype(q.dtype).reshape(batch, q_heads, q_len, dv)
-    if not return_lse:
-        return out
-    return out, lse.reshape(batch, q_heads, q_len)
+    return out, lse, splits
