@@ -3,6 +3,9 @@
 
   XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD python3 scripts/gpu_decode.py --out $OUT/decode.json
   --tiny: interpret mode on CPU at scaled-down shapes (a dry run of the whole script), no cuDNN / torch.
+  --round 2 --no-peers: the second call's questions (ROUND2: the kernel without the merge, a Pallas merge
+  kernel, other occupancies); results in docs/PERF_NOTES.md ("decode_attention Pallas kernel"). Kept while
+  the merge question is open.
 
 Timing (per variant): THROUGHPUT = ``--calls`` calls queued back to back rotating through input copies
 (enough that one pass over them is > 3x the 50 MB L2), one block_until_ready, ms per call, median of

@@ -88,7 +88,6 @@ CASES = [
     # (id, B, Hq, Hkv, Lq, Lmax, D, dtype, num_splits)
     ("g1_lq1_odd_len", 2, 2, 2, 1, 37, 64, "float32", None),
     ("g3_lq5_d96", 2, 6, 2, 5, 77, 96, "float32", 3),
-    ("g4_lq16_d128", 2, 4, 1, 16, 100, 128, "float32", None),
     # 8 x 16 = 128 rows: four 32-row blocks per KV group with the f32 D128 config
     ("g8_lq16_row_blocks", 1, 8, 1, 16, 45, 64, "float32", 2),
     ("g8_lq2_splits_past_cache", 2, 8, 1, 2, 50, 64, "float32", 40),
@@ -100,8 +99,9 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_matches_reference_and_xla(case):
-    """GQA groups 1, 3, 4, 5, 6, 8; Lq 1..16; odd cache lengths; ragged kv_lens with NaN past them; explicit
-    and chosen num_splits, also more than the cache has tiles; head dims 64..256; float32, bf16, fp16."""
+    """GQA groups 1, 3, 4, 5, 6, 8; Lq 1, 2, 3, 4, 5, 16; odd cache lengths; ragged kv_lens with NaN past
+    them; explicit and chosen num_splits, also more than the cache has tiles; head dims 64..256; float32,
+    bf16, fp16."""
     name, batch, hq, hkv, lq, max_len, d, dtype, splits = case
     q, k, v, lens = _inputs(sum(map(ord, name)), batch, hq, hkv, lq, max_len, d, jnp.dtype(dtype))
     out, lse = _pallas(q, k, v, lens, num_splits=splits)
