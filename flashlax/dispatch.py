@@ -48,6 +48,7 @@ TABLE: dict[str, dict[str, Impl]] = {
     },
     "decode_attention": {
         "xla": Impl("xla", "xla", f"{_F}.decode:decode_attention_xla"),
+        "pallas": Impl("pallas", "pallas", f"{_K}.decode:decode_attention_pallas"),
     },
     "gated_delta_rule": {
         "recurrent": Impl("recurrent", "xla", f"{_F}.linear:gated_delta_rule_recurrent"),
@@ -61,7 +62,7 @@ TABLE: dict[str, dict[str, Impl]] = {
 # Default implementation per (op, backend family).
 DEFAULTS: dict[str, dict[str, str]] = {
     "flex_attention": {"cpu": "xla", "gpu": "pallas"},
-    "decode_attention": {"cpu": "xla", "gpu": "xla"},
+    "decode_attention": {"cpu": "xla", "gpu": "pallas"},
     "gated_delta_rule": {"cpu": "chunked", "gpu": "chunked"},
 }
 

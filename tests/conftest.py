@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 
-# JAX's own test setting, and an option users set: no implicit rank promotion anywhere in the package.
-jax.config.update("jax_numpy_rank_promotion", os.environ.get("FLASHLAX_TEST_RANK_PROMOTION", "raise"))
+# JAX's own test setting and a user option: no implicit rank promotion anywhere (API.md, Conventions).
+jax.config.update("jax_numpy_rank_promotion", "raise")
 
 # Profiles: "ci" (few examples, for the 2-core CI machine), "dev" (default), "thorough".
 _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],

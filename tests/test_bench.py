@@ -159,6 +159,15 @@ def test_prefill_flex_masks_and_decode_num_splits(runs):
             assert isinstance(row["num_splits"], int) and 1 <= row["num_splits"] <= row["lkv"], row
 
 
+def test_decode_rows_time_throughput_and_latency(runs):
+    """Decode rows also carry throughput (calls queued, one sync), single-call latency and KV TB/s."""
+    timed = [row for row in runs["decode"]["results"] if "error" not in row]
+    assert timed
+    for row in timed:
+        assert row["throughput_calls"] == 50 and row["throughput_ms"] > 0 and row["latency_ms"] > 0, row
+        assert row["kv_tbps"] == pytest.approx(row["kv_mb"] * harness.MB / (row["throughput_ms"] * 1e-3) / 1e12)
+
+
 def test_error_row_from_raising_impl():
     """An implementation that raises gives a row with `error`, not a crash; the run goes on."""
     from flashlax.bench import peers, suites

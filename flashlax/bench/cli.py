@@ -84,6 +84,8 @@ def suite_config(suite: str, args, gpu: bool) -> dict[str, Any]:
     for key, value in overrides.items():
         if value is not None and key in cfg:
             cfg[key] = value
+    if suite == "decode" and cfg.get("shapes") and (args.batch or args.lengths or args.q_lens):
+        cfg["shapes"] = None  # explicit batch/lengths/q-lens: their product instead of the GPU shapes
     if suite == "prefill" and (args.batch or args.lengths):
         cfg["shapes"] = None  # explicit batch/lengths: their product instead of the ANCHORS pairs
         cfg["batch"] = _flatten(args.batch) or [1]

@@ -26,6 +26,9 @@ import numpy as np
 MB = 1024.0 * 1024.0
 
 TIMING_KEYS = ("compile_s", "inner", "median_ms", "q1_ms", "q3_ms")
+# Decode rows only: per-call time of `throughput_calls` calls queued with one sync, median of single
+# synchronised calls, and the KV-cache read rate at the throughput time (TB/s).
+DECODE_TIMING_KEYS = ("throughput_ms", "throughput_calls", "latency_ms", "kv_tbps")
 XLA_MEMORY_KEYS = ("xla_temp_mb", "xla_arg_mb", "xla_out_mb")
 MEASURE_KEYS = TIMING_KEYS + XLA_MEMORY_KEYS + ("residual_mb", "residual_shapes", "kv_mb", "rel_err",
                                                 "rel_err_grads")
@@ -158,24 +161,47 @@ class Timer:
         probe_s = max(time.perf_counter() - start, 1e-7)
         self.inner = int(min(max_inner, max(1, math.ceil(min_sample_s / probe_s))))
         self.samples_ms: list[float] = []
+        self.queued_ms: list[float] = []     # sample_decode: throughput and latency samples
+        self.single_ms: list[float] = []
+        self.queued_calls = 0
 
     def sample(self) -> float:
         # One untimed call first: samples of several timers are interleaved, and the first call after
         # another implementation pays for that one's side effects (on CPU, re-faulting the memory a large
         # backward just released: seen as 1.4x on chunked fwd+bwd right after the recurrent one).
+        self.samples_ms.append(self._queued_ms(self.inner))
+        return self.samples_ms[-1]
+
+    def _queued_ms(self, calls: int) -> float:
+        """One untimed settling call, then ``calls`` calls back to back and one sync: ms per call."""
         self.sync(self.call(self.arg_sets[-1]))
         start = time.perf_counter()
         out = None
-        for i in range(self.inner):
+        for i in range(calls):
             out = self.call(self.arg_sets[i % len(self.arg_sets)])
         self.sync(out)
-        self.samples_ms.append((time.perf_counter() - start) * 1e3 / self.inner)
-        return self.samples_ms[-1]
+        return (time.perf_counter() - start) * 1e3 / calls
 
     def fields(self) -> dict[str, Any]:
-        """``inner``, ``median_ms``, ``q1_ms``, ``q3_ms`` (per call)."""
+        """``inner``, ``median_ms``, ``q1_ms``, ``q3_ms`` (per call); with :meth:`sample_decode` samples
+        also ``throughput_ms``, ``throughput_calls`` and ``latency_ms``."""
         median, q1, q3 = quartiles(self.samples_ms)
-        return {"inner": self.inner, "median_ms": median, "q1_ms": q1, "q3_ms": q3}
+        out = {"inner": self.inner, "median_ms": median, "q1_ms": q1, "q3_ms": q3}
+        if self.queued_ms:
+            out.update(throughput_ms=statistics.median(self.queued_ms), throughput_calls=self.queued_calls,
+                       latency_ms=statistics.median(self.single_ms))
+        return out
+
+    def sample_decode(self, calls: int = 50, singles: int = 10) -> None:
+        """One throughput sample (``calls`` calls queued back to back, rotating the input sets, one sync:
+        ms per call, the device's rate with host overhead hidden) and ``singles`` latency samples (one
+        call, then sync: what one synchronised step costs, host round trip included)."""
+        self.queued_calls = calls
+        self.queued_ms.append(self._queued_ms(calls))
+        for i in range(singles):
+            start = time.perf_counter()
+            self.sync(self.call(self.arg_sets[i % len(self.arg_sets)]))
+            self.single_ms.append((time.perf_counter() - start) * 1e3)
 
 
 def time_calls(call: Callable[[Any], Any], arg_sets: Sequence[Any], *, repeats: int, sync: Callable = _block,

@@ -4,7 +4,8 @@ reference) and measures every implementation x mode on them, one row per measure
 Defaults (``suite_defaults``): linear from seed 000 (B2 H8 T512/2048 dk=dv 64/128 float32 chunk 64), gqa
 from seed 004 (B1 L1024 Hq32 Hkv8 D64/128 float32 on CPU, bf16 on GPU), prefill the ANCHORS.md GPU shapes
 (Hq32 Hkv8 D128, B2 T4096 and B1 T16384, bf16, plus sliding-window-1024 and 8-document masks at T16384
-for flex_native and torch_flex; on GPU also torch_flex and jax_pallas_mha), decode Lq 1/4/16 x KV 4096/16384/65536, B1 Hq32 Hkv8 D128.
+for flex_native and torch_flex; on GPU also torch_flex and jax_pallas_mha), decode Hq32 Hkv8 D128: on CPU B1 x
+Lq 1/4/16 x KV 4096/16384/65536, on GPU the six (B, Lq, KV) shapes of DECODE_GPU_SHAPES with decode_pallas.
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ ATTENTION_GRAD_NAMES = ("q", "k", "v")
 # The flex-only masks of the prefill suite (only flex_* and torch_flex get rows for them).
 SLIDING_WINDOW = 1024
 NUM_DOCUMENTS = 8
+# Decode on GPU: (batch, new tokens, KV length), Hq32 Hkv8 D128 bf16.
+DECODE_GPU_SHAPES = [(1, 1, 16384), (1, 1, 65536), (8, 1, 16384), (32, 1, 4096), (1, 16, 65536), (4, 4, 32768)]
+# Decode rows also time this many calls queued with one sync (throughput_ms) and single calls (latency_ms).
+DECODE_THROUGHPUT_CALLS = 50
 
 
 def suite_defaults(suite: str, gpu: bool) -> dict[str, Any]:
@@ -52,9 +57,14 @@ def suite_defaults(suite: str, gpu: bool) -> dict[str, Any]:
                     flex_masks_min_seq=16384 if gpu else 4096, ref_max_seq=1024,
                     impls=attention_impls + (["torch_flex", "jax_pallas_mha"] if gpu else []))
     if suite == "decode":
+        # GPU: the (batch, new tokens, KV length) shapes of ANCHORS.md / issue 14 and the decode kernel;
+        # CPU: the product of batch x q_lens x kv_lens (shapes None).
         return dict(batch=[1], heads=[32], kv_heads=[8], q_lens=[1, 4, 16], kv_lens=[4096, 16384, 65536],
-                    dims=[128], dtypes=["bfloat16"] if gpu else ["float32"], modes=["fwd"],
-                    impls=attention_impls, ref_max_seq=1024)
+                    shapes=DECODE_GPU_SHAPES if gpu else None, dims=[128],
+                    dtypes=["bfloat16"] if gpu else ["float32"], modes=["fwd"],
+                    impls=(["flex_native", "decode_xla", "decode_pallas", "jax_xla", "jax_cudnn", "torch_sdpa"]
+                           if gpu else attention_impls),
+                    ref_max_seq=1024, throughput_calls=DECODE_THROUGHPUT_CALLS)
     raise ValueError(f"unknown suite {suite!r}; valid: {', '.join(SUITES)}, all")
 
 
@@ -166,10 +176,12 @@ def _start(case: Case, runner: peers.Runner, mode: str, min_sample_s: float):
 
 
 def measure_case(case: Case, jobs: list[tuple[peers.Runner, str]], *, repeats: int,
-                 min_sample_s: float) -> list[dict]:
+                 min_sample_s: float, throughput_calls: int | None = None) -> list[dict]:
     """One row per (runner, mode) of one shape. All are compiled and checked first, then their timed
     samples are interleaved round-robin, so ratios between peers survive load changes on a shared machine.
-    Any exception of an implementation becomes that row's ``error``; the run goes on."""
+    ``throughput_calls`` (decode): each round also takes a throughput sample of that many queued calls and
+    single-call latency samples (``harness.Timer.sample_decode``). Any exception of an implementation
+    becomes that row's ``error``; the run goes on."""
     case.want_grads = any(mode == "fwd_bwd" for _, mode in jobs)
     started = [_start(case, runner, mode, min_sample_s) for runner, mode in jobs]
     for _ in range(max(1, repeats)):
@@ -178,6 +190,8 @@ def measure_case(case: Case, jobs: list[tuple[peers.Runner, str]], *, repeats: i
                 continue
             try:
                 timer.sample()
+                if throughput_calls:
+                    timer.sample_decode(throughput_calls)
             except Exception as exc:
                 error_row = {k: row[k] for k in ("suite", "impl", "mode", *case.ident)}
                 error_row["error"] = harness.error_text(exc)
@@ -186,6 +200,8 @@ def measure_case(case: Case, jobs: list[tuple[peers.Runner, str]], *, repeats: i
     for row, timer in started:
         if timer is not None:
             row.update(timer.fields())
+            if "throughput_ms" in row and row.get("kv_mb"):
+                row["kv_tbps"] = row["kv_mb"] * harness.MB / (row["throughput_ms"] * 1e-3) / 1e12
         rows.append({k: row[k] for k in _ordered_keys(row)})
     return rows
 
@@ -196,8 +212,9 @@ def measure(case: Case, runner: peers.Runner, mode: str, *, repeats: int, min_sa
 
 
 def _ordered_keys(row: dict) -> list[str]:
-    first = [k for k in row if k not in harness.MEASURE_KEYS and k != "note"]
-    return first + [k for k in harness.MEASURE_KEYS if k in row] + (["note"] if "note" in row else [])
+    last = harness.MEASURE_KEYS + harness.DECODE_TIMING_KEYS
+    first = [k for k in row if k not in last and k != "note"]
+    return first + [k for k in last if k in row] + (["note"] if "note" in row else [])
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -349,7 +366,8 @@ def _print_progress(row: dict, stream) -> None:
 
 
 def _run_jobs(case: Case, jobs: list, cfg: dict, stream) -> list[dict]:
-    rows = measure_case(case, jobs, repeats=cfg["repeats"], min_sample_s=cfg["min_sample_s"])
+    rows = measure_case(case, jobs, repeats=cfg["repeats"], min_sample_s=cfg["min_sample_s"],
+                        throughput_calls=cfg.get("throughput_calls"))
     for row in rows:
         _print_progress(row, stream)
     return rows
@@ -479,9 +497,9 @@ def decode_mask_mod(lq: int, lkv: int):
 
 def run_decode(cfg: dict, stream=sys.stderr) -> list[dict]:
     rows = []
-    for b, hq, hkv, lq, lkv, d, dtype in itertools.product(cfg["batch"], cfg["heads"], cfg["kv_heads"],
-                                                           cfg["q_lens"], cfg["kv_lens"], cfg["dims"],
-                                                           cfg["dtypes"]):
+    shapes = cfg.get("shapes") or list(itertools.product(cfg["batch"], cfg["q_lens"], cfg["kv_lens"]))
+    for (b, lq, lkv), hq, hkv, d, dtype in itertools.product(shapes, cfg["heads"], cfg["kv_heads"], cfg["dims"],
+                                                             cfg["dtypes"]):
         itemsize = jnp.dtype(dtype).itemsize
         kv_bytes = 2 * b * hkv * lkv * d * itemsize
         arg_sets = _copies(lambda seed: attention_inputs(seed, b, hq, hkv, lq, lkv, d, jnp.dtype(dtype)),

@@ -198,3 +198,122 @@ def shrink_to_fit(config: FlashConfig, head_dim: int, head_dim_v: int, dtype, de
                 break
             else:
                 raise
+
+
+# ----------------------------------------------------------------------------------------------------
+# Decode (flash decoding) kernel: flashlax/kernels/decode.py
+# ----------------------------------------------------------------------------------------------------
+
+# Multiprocessors per device family, for num_splits when the device does not report ``core_count``.
+NUM_SMS: dict[str, int] = {"h200": 132, "rtx3090": 82, "default": 108}
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Decode kernel launch parameters. One program serves up to ``block_rows`` query rows of one KV group
+    (the G query heads x Lq new tokens, padded to a power of two >= 16 in registers) over one split of the
+    cache, ``block_kv`` keys per loop step; Triton ``num_warps`` / ``num_stages``.
+
+    num_splits=None picks the most splits whose programs all run at once, ``programs_per_sm`` per
+    multiprocessor (at least one split, each at least ``min_split_tiles`` tiles long). H200, D128 bf16
+    (64-key tiles, 3 stages: about 100 KB of shared memory, two programs per SM): one wave of 256 programs
+    was fastest at every measured shape (docs/PERF_NOTES.md).
+    """
+
+    block_kv: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+    block_rows: int = 64
+    programs_per_sm: int = 2
+    min_split_tiles: int = 4
+
+    def __post_init__(self):
+        try:   # the tile fields obey the flash forward's rules (block_rows is its block_q)
+            _as_flash(self, self.block_rows)
+        except ValueError as err:
+            raise ValueError(f"DecodeConfig: {err} (block_q is block_rows here)") from None
+        for name in ("programs_per_sm", "min_split_tiles"):
+            val = getattr(self, name)
+            if not isinstance(val, int) or val < 1:
+                raise ValueError(f"DecodeConfig: {name} must be a positive int, got {val!r}")
+
+
+def _as_flash(config: DecodeConfig, rows: int) -> FlashConfig:
+    """The decode kernel's tiles as the flash forward's: ``rows`` query rows against ``block_kv`` keys."""
+    return FlashConfig(block_q=rows, block_kv=config.block_kv, num_warps=config.num_warps,
+                       num_stages=config.num_stages)
+
+
+# family -> {(max head dim, dtype class): config}, as FWD_CONFIGS. Every entry fits its family's shared
+# memory at its head dim with block_rows query rows (tests/test_decode_kernel.py). First guesses until
+# measured on the H200 (docs/PERF_NOTES.md, "decode_attention Pallas kernel").
+DECODE_CONFIGS: dict[str, dict[tuple[int, str], DecodeConfig]] = {
+    "h200": {
+        (64, "16"): DecodeConfig(128, 4, 3, 64),
+        (128, "16"): DecodeConfig(64, 4, 3, 64),
+        (256, "16"): DecodeConfig(64, 4, 2, 32),
+        (64, "32"): DecodeConfig(64, 4, 2, 32),
+        (128, "32"): DecodeConfig(32, 4, 2, 32),
+        (256, "32"): DecodeConfig(32, 4, 2, 16),
+    },
+    "rtx3090": {
+        (64, "16"): DecodeConfig(64, 4, 3, 64),
+        (128, "16"): DecodeConfig(64, 4, 2, 64),
+        (256, "16"): DecodeConfig(32, 4, 2, 32),
+        (64, "32"): DecodeConfig(64, 4, 2, 32),
+        (128, "32"): DecodeConfig(32, 4, 2, 32),
+        (256, "32"): DecodeConfig(16, 4, 2, 16),
+    },
+}
+DECODE_CONFIGS["default"] = DECODE_CONFIGS["rtx3090"]
+
+
+def decode_smem_bytes(config: DecodeConfig, rows: int, head_dim: int, head_dim_v: int, dtype,
+                      p_in_smem: bool = True, tile_reads: int = 0) -> int:
+    """Static shared-memory estimate of the decode kernel, bytes: the flash forward's formula
+    (:func:`smem_bytes`) with ``rows`` (a power of two >= 16) query rows per program."""
+    return smem_bytes(_as_flash(config, rows), head_dim, head_dim_v, dtype, p_in_smem=p_in_smem,
+                      tile_reads=tile_reads)
+
+
+def decode_config(head_dim: int, head_dim_v: int | None = None, dtype=jnp.bfloat16,
+                  device_kind: str | None = None) -> DecodeConfig:
+    """The decode config for this device kind, head dims (padded to a power of two, up to 256) and dtype."""
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    d = max(_pow2(head_dim), _pow2(head_dim_v))
+    if d > 256:
+        raise ValueError(f"decode_config: head dims up to 256 are supported, got ({head_dim}, {head_dim_v})")
+    cls = "32" if jnp.dtype(dtype).itemsize >= 4 else "16"
+    table = DECODE_CONFIGS[device_family(device_kind)]
+    return table[(min(max_d for max_d in (64, 128, 256) if d <= max_d), cls)]
+
+
+def check_decode_config(config: DecodeConfig, rows: int, head_dim: int, head_dim_v: int, dtype,
+                        device_kind: str | None = None, tile_reads: int = 0) -> None:
+    """ValueError when ``config`` with ``rows`` query rows per program does not fit the device's shared
+    memory per block (:func:`check_config` of the same tiles)."""
+    try:
+        check_config(_as_flash(config, rows), head_dim, head_dim_v, dtype, device_kind, tile_reads=tile_reads)
+    except ValueError as err:
+        raise ValueError(f"decode config {config} with {rows} query rows per program: {err} "
+                         "(block_q is block_rows here)") from None
+
+
+def decode_shrink_to_fit(config: DecodeConfig, rows: int, head_dim: int, head_dim_v: int, dtype,
+                         device_kind: str | None = None, tile_reads: int = 0) -> tuple[DecodeConfig, int]:
+    """(config, rows) stepped down until they fit, as :func:`shrink_to_fit` steps the flash forward's tiles
+    (block_kv, stages, then rows). ValueError if even the smallest does not fit."""
+    small = shrink_to_fit(_as_flash(config, rows), head_dim, head_dim_v, dtype, device_kind, tile_reads)
+    return dataclasses.replace(config, block_kv=small.block_kv, num_stages=small.num_stages), small.block_q
+
+
+def num_sms(device_kind: str | None = None) -> int:
+    """Multiprocessors of the first device (``core_count`` where jax reports it), else the family's."""
+    if device_kind is None:
+        try:
+            count = getattr(jax.devices()[0], "core_count", None)
+            if isinstance(count, int) and count > 0 and jax.devices()[0].platform == "gpu":
+                return count
+        except RuntimeError:
+            pass
+    return NUM_SMS[device_family(device_kind)]

@@ -1,0 +1,337 @@
+"""Flash decoding for decode_attention: a split-KV Pallas kernel (Triton lowering), the log-sum-exp merge of
+the splits, and the entry point :func:`decode_attention_pallas`.
+
+Grid (splits, KV heads x row blocks, batch). One program reads one split of one (batch, KV head) cache
+slice once and serves every query row of the group: the G query heads x Lq new tokens (row ``g * Lq + i``
+is new token i of query head ``hkv * G + g``), padded in registers to a power of two >= 16 (the smallest
+Triton dot), never in memory. Groups with more than ``block_rows`` rows are cut into row blocks that run as
+neighbouring programs, so the second read of a K/V tile comes from L2.
+
+``kv_lens`` is an int32 ref read inside the kernel: a split's tile range is clipped to the sequence, so
+splits past its end do no loads, and changing the values never recompiles. A split visits first the tiles
+every new token sees whole (plain loads, no mask), then the last one or two tiles (loads masked by
+kv_lens, so rows past it are never read and NaN there cannot leak; new token i sees positions
+<= kv_lens - Lq + i). kv_lens is clamped into [0, Lmax], so traced out-of-range values stay memory safe.
+
+Each split writes a float32 partial output normalised by its own sum, and its log-sum-exp; the splits are
+merged in float32 by one fused XLA step (a split that saw nothing has lse -inf and weight 0). With one
+split the kernel writes the final output in q's dtype itself (one launch, no merge).
+
+score_mod / mask_mod run in the kernel through ``_tiles.TileMod`` (scalar semantics, captured arrays passed
+as refs); q_idx is the new token's absolute position. A mod that TileMod cannot evaluate in a kernel
+(``UnsupportedModError``) runs the XLA path instead. Paged caches would map a split's logical tiles to
+pages in ``_kv_tile_start`` (one block_table read per tile); they are not implemented here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from flashlax.kernels import _tiles
+from flashlax.kernels._tiles import LOG2E, TileMod, pow2
+from flashlax.kernels.configs import (DecodeConfig, check_decode_config, decode_config, decode_shrink_to_fit,
+                                      num_sms)
+
+MIN_ROWS = 16  # the smallest Triton dot operand
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _padded(dim: int) -> int:
+    """A head dim padded in registers: the next power of two, at least 16 (the smallest Triton dot side)."""
+    return max(MIN_ROWS, pow2(dim))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Static:
+    """Everything about one call that is not an array."""
+
+    config: DecodeConfig
+    block_rows: int          # query rows per program (power of two >= 16)
+    row_blocks: int          # programs per KV group along the rows
+    splits: int
+    tiles_per_split: int
+    scale: float
+    score_mod: TileMod | None
+    mask_mod: TileMod | None
+    interpret: bool
+
+
+# ----------------------------------------------------------------------------------------------------
+# Kernel
+# ----------------------------------------------------------------------------------------------------
+
+def _kv_tile_start(tile, block_kv: int):
+    """First cache row of logical KV tile ``tile`` (a paged cache would look its page up here)."""
+    return pl.multiple_of(tile * block_kv, block_kv)
+
+
+def _load_kv(ref, start, block_kv: int, cols: int, n_cols: int, kv_len=None):
+    """[block_kv, cols] tile of a [Lmax, >= n_cols] cache ref from row ``start``. ``kv_len`` given: rows at
+    or past it read as 0 (never loaded); columns >= n_cols (head-dim padding) read as 0."""
+    mask = None
+    if kv_len is not None:
+        mask = jnp.broadcast_to(_tiles.row_mask(start, block_kv, kv_len)[:, None], (block_kv, cols))
+    if cols != n_cols:
+        col_ok = jnp.broadcast_to((jnp.arange(cols, dtype=jnp.int32) < n_cols)[None, :], (block_kv, cols))
+        mask = col_ok if mask is None else mask & col_ok
+    block = ref.at[_tiles.ds(start, block_kv), _tiles.ds(0, cols)]
+    return plgpu.load(block) if mask is None else plgpu.load(block, mask=mask, other=0.0)
+
+
+def _decode_kernel(kv_lens_ref, q_ref, k_ref, v_ref, *refs, st: _Static, n_score_cap: int, groups: int,
+                   q_len: int, q_heads: int, max_len: int, d: int, dv: int):
+    n_cap = len(refs) - 2
+    cap_refs, (o_ref, lse_ref) = refs[:n_cap], refs[n_cap:]
+    score_caps, mask_caps = cap_refs[:n_score_cap], cap_refs[n_score_cap:]
+    cfg = st.config
+    bk, br = cfg.block_kv, st.block_rows
+    dp, dvp = _padded(d), _padded(dv)
+    rows = groups * q_len
+
+    i32 = jnp.int32   # lax.div / lax.rem take no Python ints (int64 under x64): all index math is int32
+    split, group_pid, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    if st.row_blocks == 1:
+        kv_head, row0 = group_pid, 0
+    else:
+        kv_head = lax.div(group_pid, i32(st.row_blocks))
+        row0 = pl.multiple_of(lax.rem(group_pid, i32(st.row_blocks)) * br, br)
+    kv_len = jnp.clip(kv_lens_ref[0], 0, max_len)        # traced out-of-range values: stay in bounds
+
+    # Row r of the group is new token r % Lq of query head hkv * G + r // Lq (padding rows: clamped head).
+    row = row0 + lax.broadcasted_iota(jnp.int32, (br, 1), 0)
+    h = jnp.minimum(kv_head * groups + lax.div(row, i32(q_len)), q_heads - 1)
+    q_idx = kv_len - q_len + lax.rem(row, i32(q_len))         # absolute position of the new token
+    q = _tiles.load_tile(q_ref, row0, br, rows, dp, d)
+    precision = _tiles.dot_precision(q.dtype)
+    # Scores stay raw q.k (scale > 0, no score_mod) and `mult` turns them into base-2 exponents inside the
+    # softmax's FMA (_tiles.softmax_update); the running max is taken in those units, so mult > 0.
+    if st.score_mod is None:
+        mult = st.scale * LOG2E if st.scale > 0 else 1.0
+    else:
+        mult = LOG2E
+
+    def visit(tile, carry, edge: bool):
+        m_prev, l_prev, acc_prev = carry
+        kv_start = _kv_tile_start(tile, bk)
+        limit = kv_len if edge else None
+        k = _load_kv(k_ref, kv_start, bk, dp, d, limit)
+        v = _load_kv(v_ref, kv_start, bk, dvp, dv, limit)
+        qk = _tiles.dot_nt(q, k, precision)
+        kv_idx = kv_start + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+        if st.score_mod is None:
+            s = qk if st.scale > 0 else qk * (st.scale * LOG2E)
+        else:
+            s = st.score_mod(score_caps, qk * st.scale, b, h, q_idx, kv_idx)
+        if edge:   # new token i sees positions <= kv_len - Lq + i (< kv_len: rows past it are 0, unread)
+            s = jnp.where(kv_idx <= q_idx, s, -jnp.inf)
+        if st.mask_mod is not None:
+            s = jnp.where(st.mask_mod(mask_caps, b, h, q_idx, kv_idx), s, -jnp.inf)
+        p, alpha, m_new, l_new = _tiles.softmax_update(s, m_prev, l_prev, mult, st.interpret)
+        acc = acc_prev * alpha[:, None] + _tiles.dot_nn(p.astype(v.dtype), v, precision)
+        return m_new, l_new, acc
+
+    # This split's tiles [lo, hi), clipped to the sequence; tiles below `whole` are seen whole by every
+    # new token (they end at or before kv_len - Lq + 1), the rest (at most two) need the edge mask.
+    lo = split * st.tiles_per_split
+    hi = jnp.maximum(jnp.minimum(lo + st.tiles_per_split, lax.div(kv_len + (bk - 1), i32(bk))), lo)
+    whole = lax.div(jnp.maximum(kv_len - q_len + 1, 0), i32(bk))
+    mid = jnp.clip(whole, lo, hi)
+    carry = (jnp.full((br,), -jnp.inf, jnp.float32), jnp.zeros((br,), jnp.float32),
+             jnp.zeros((br, dvp), jnp.float32))
+    carry = lax.fori_loop(lo, mid, lambda j, c: visit(j, c, edge=False), carry)
+    carry = lax.fori_loop(mid, hi, lambda j, c: visit(j, c, edge=True), carry)
+
+    m, l, acc = carry
+    out, lse = _tiles.softmax_finalize(acc, m, l, mult)
+    _tiles.store_tile(o_ref, row0, out, rows, dv)     # q's dtype with one split, else float32 partials
+    _tiles.store_vec(lse_ref, row0, lse, rows)
+
+
+def _decode_call(st: _Static, q, k_cache, v_cache, kv_lens, captured, n_score_cap: int):
+    """pallas_call of the kernel. Returns (out, lse): out [B, Hkv, rows, Dv] in q's dtype and lse
+    [B, Hkv, rows] with one split; float32 partials [B, Hkv, S, rows, Dv] and [B, Hkv, S, rows] otherwise
+    (rows = G * Lq; lse natural log)."""
+    batch, q_heads, q_len, d = q.shape
+    _, kv_heads, max_len, dv = v_cache.shape
+    groups = q_heads // kv_heads
+    rows = groups * q_len
+    dp, dvp = _padded(d), _padded(dv)
+    nr, splits = st.row_blocks, st.splits
+    final = splits == 1
+    kv_head = (lambda g: g) if nr == 1 else (lambda g: g // nr)
+    q_rows = q.reshape(batch, kv_heads, rows, d)          # row g * Lq + i: head hkv * G + g, token i
+
+    in_specs = [
+        pl.BlockSpec((1,), lambda s, g, b: (b,)),
+        pl.BlockSpec((None, None, rows, dp), lambda s, g, b: (b, kv_head(g), 0, 0)),
+        pl.BlockSpec((None, None, max_len, dp), lambda s, g, b: (b, kv_head(g), 0, 0)),
+        pl.BlockSpec((None, None, max_len, dvp), lambda s, g, b: (b, kv_head(g), 0, 0)),
+    ] + _tiles.captured_specs(captured)
+    if final:
+        out_specs = [pl.BlockSpec((None, None, rows, dvp), lambda s, g, b: (b, kv_head(g), 0, 0)),
+                     pl.BlockSpec((None, None, rows), lambda s, g, b: (b, kv_head(g), 0))]
+        out_shape = [jax.ShapeDtypeStruct((batch, kv_heads, rows, dv), q.dtype),
+                     jax.ShapeDtypeStruct((batch, kv_heads, rows), jnp.float32)]
+    else:
+        out_specs = [pl.BlockSpec((None, None, None, rows, dvp), lambda s, g, b: (b, kv_head(g), s, 0, 0)),
+                     pl.BlockSpec((None, None, None, rows), lambda s, g, b: (b, kv_head(g), s, 0))]
+        out_shape = [jax.ShapeDtypeStruct((batch, kv_heads, splits, rows, dv), jnp.float32),
+                     jax.ShapeDtypeStruct((batch, kv_heads, splits, rows), jnp.float32)]
+    kernel = functools.partial(_decode_kernel, st=st, n_score_cap=n_score_cap, groups=groups, q_len=q_len,
+                               q_heads=q_heads, max_len=max_len, d=d, dv=dv)
+    return pl.pallas_call(
+        kernel,
+        grid=(splits, kv_heads * nr, batch),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=st.config.num_warps, num_stages=st.config.num_stages),
+        interpret=st.interpret,
+        name="decode_attention",
+    )(kv_lens, q_rows, k_cache, v_cache, *captured)
+
+
+def merge_splits(out_parts, lse_parts):
+    """Log-sum-exp merge of split partials, float32: out_parts [..., S, rows, Dv] (each normalised by its
+    own sum), lse_parts [..., S, rows] natural log -> (out [..., rows, Dv], lse [..., rows]). Splits with
+    lse -inf (nothing seen) weigh 0; rows no split saw give out 0 and lse -inf."""
+    lse_max = jnp.max(lse_parts, axis=-2, keepdims=True)
+    lse_max = jnp.where(lse_max == -jnp.inf, 0.0, lse_max)   # no finite split: exp(-inf - 0) = 0
+    weight = jnp.exp(lse_parts - lse_max)                     # [..., S, rows], each <= 1
+    total = jnp.sum(weight, axis=-2)
+    seen = total > 0
+    total_safe = jnp.where(seen, total, 1.0)
+    out = jnp.sum(out_parts * weight[..., None], axis=-3) / total_safe[..., None]
+    lse = jnp.where(seen, jnp.log(total_safe) + jnp.squeeze(lse_max, -2), -jnp.inf)
+    return out, lse
+
+
+# ----------------------------------------------------------------------------------------------------
+# Entry point
+# ----------------------------------------------------------------------------------------------------
+
+def choose_num_splits(batch: int, kv_heads: int, max_len: int, *, config: DecodeConfig | None = None,
+                      row_blocks: int = 1, device_kind: str | None = None, multiprocessors: int | None = None) -> int:
+    """Splits for the shape and device: the most that keep every program of the call resident at once
+    (``config.programs_per_sm`` per multiprocessor; small batches need many splits, large batches one),
+    each split at least ``config.min_split_tiles`` tiles long; the count is then trimmed so the splits
+    cover the tiles evenly."""
+    cfg = config or decode_config(128, 128, jnp.bfloat16, device_kind)
+    sms = multiprocessors or num_sms(device_kind)
+    tiles = _cdiv(max_len, cfg.block_kv)
+    # One wave: as many splits as fit next to the other groups' programs (rounding down; H200: 32 splits of
+    # a B1 Hkv8 cache took 0.075 ms at L65536, 64 splits 0.080, 128 splits 0.079; B32 L4096 1 split 0.131,
+    # 2 splits 0.148; docs/PERF_NOTES.md).
+    want = max(1, cfg.programs_per_sm * sms // (batch * kv_heads * row_blocks))
+    tiles_per_split = max(cfg.min_split_tiles, _cdiv(tiles, want))
+    return _cdiv(tiles, tiles_per_split)
+
+
+def _check_inputs(q, k_cache, v_cache):
+    shapes = f"q {jnp.shape(q)}, k_cache {jnp.shape(k_cache)}, v_cache {jnp.shape(v_cache)}"
+    if not (jnp.ndim(q) == jnp.ndim(k_cache) == jnp.ndim(v_cache) == 4):
+        raise ValueError(f"decode_attention_pallas: q, k_cache, v_cache must be 4-D [B, H, L, D], got {shapes}")
+    (batch, q_heads, q_len, d), (bk, kv_heads, max_len, dk) = q.shape, k_cache.shape
+    if (bk, kv_heads, max_len) != v_cache.shape[:3] or bk != batch or dk != d or kv_heads == 0 \
+            or q_heads % kv_heads or not 1 <= q_len <= max_len:
+        raise ValueError(f"decode_attention_pallas: incompatible shapes {shapes} (need q [B, Hq, Lq, D], caches "
+                         "[B, Hkv, Lmax, D] and [B, Hkv, Lmax, Dv], Hq % Hkv == 0, 1 <= Lq <= Lmax)")
+    if not (q.dtype == k_cache.dtype == v_cache.dtype) or q.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+        raise ValueError(f"decode_attention_pallas: q and the caches must share one dtype of float32/bfloat16/"
+                         f"float16, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype} ({shapes})")
+    if max(d, v_cache.shape[-1]) > 256:
+        raise ValueError(f"decode_attention_pallas: head dims up to 256 are supported, got {shapes}")
+
+
+def decode_attention_pallas(q, k_cache, v_cache, *, kv_lens=None, scale=None, num_splits: int | None = None,
+                            score_mod=None, mask_mod=None, return_lse: bool = False, interpret: bool = False,
+                            config: DecodeConfig | None = None, device_kind: str | None = None):
+    """Split-KV flash decoding, Pallas/Triton kernel.
+
+    q: [B, Hq, Lq, D] (1 <= Lq <= 16 in the contract), k_cache: [B, Hkv, Lmax, D], v_cache:
+    [B, Hkv, Lmax, Dv], kv_lens: int [B] valid cache lengths including the new tokens (default Lmax; cast
+    to int32). New token i sits at position kv_lens - Lq + i and sees the cache up to itself; mods get that
+    position as q_idx. num_splits: None (chosen from B * Hkv, Lmax and the multiprocessor count) or any
+    positive int (splits past the cache are empty). Returns out [B, Hq, Lq, Dv] in q's dtype (and lse
+    [B, Hq, Lq] float32, natural log). ``config``: a DecodeConfig (default: :func:`decode_config`).
+    """
+    _check_inputs(q, k_cache, v_cache)
+    batch, q_heads, q_len, d = q.shape
+    _, kv_heads, max_len, dv = v_cache.shape
+    scale = float(d ** -0.5 if scale is None else scale)
+    kv_lens = (jnp.full((batch,), max_len, jnp.int32) if kv_lens is None
+               else jnp.asarray(kv_lens).astype(jnp.int32))
+    try:
+        score_tm = TileMod.make(score_mod, "score")
+        mask_tm = TileMod.make(mask_mod, "mask")
+    except _tiles.UnsupportedModError:
+        # A mod reads a captured array in a way the kernel cannot (a slice or a reduction, not a point
+        # read): the XLA split-KV path computes the same result.
+        from flashlax.fallbacks.decode import decode_attention_xla
+        return decode_attention_xla(q, k_cache, v_cache, kv_lens=kv_lens, scale=scale, num_splits=num_splits,
+                                    score_mod=score_mod, mask_mod=mask_mod, return_lse=return_lse)
+    out, lse, splits = kernel_outputs(q, k_cache, v_cache, kv_lens, scale=scale, num_splits=num_splits,
+                                      score_tm=score_tm, mask_tm=mask_tm, interpret=interpret, config=config,
+                                      device_kind=device_kind)
+    if splits > 1:
+        out, lse = merge_splits(out, lse)
+    out = out.astype(q.dtype).reshape(batch, q_heads, q_len, dv)
+    if not return_lse:
+        return out
+    return out, lse.reshape(batch, q_heads, q_len)
+
+
+def kernel_outputs(q, k_cache, v_cache, kv_lens, *, scale: float, num_splits, score_tm: TileMod | None = None,
+                   mask_tm: TileMod | None = None, interpret: bool = False, config: DecodeConfig | None = None,
+                   device_kind: str | None = None):
+    """The kernel's launch for validated inputs (kv_lens int32 [B], scale a float, mods as TileMods):
+    ``(out, lse, splits)``, with out [B, Hkv, G * Lq, Dv] in q's dtype and lse [B, Hkv, G * Lq] when
+    splits == 1, else the float32 partials [B, Hkv, splits, G * Lq, Dv] and [B, Hkv, splits, G * Lq] for
+    :func:`merge_splits`. Picks and checks the config and the split count."""
+    batch, q_heads, q_len, d = q.shape
+    _, kv_heads, max_len, dv = v_cache.shape
+    tile_reads = sum(tm.tile_reads for tm in (score_tm, mask_tm) if tm is not None)
+    kind = device_kind
+    if kind is None:
+        kind = jax.devices()[0].device_kind if not interpret else "cpu-interpret"
+    groups = q_heads // kv_heads
+    rows = groups * q_len
+    if config is None:
+        cfg = decode_config(d, dv, q.dtype, kind)
+        block_rows = min(cfg.block_rows, max(MIN_ROWS, pow2(rows)))
+        cfg, block_rows = decode_shrink_to_fit(cfg, block_rows, d, dv, q.dtype, kind, tile_reads)
+        # Do not step tiles far longer than the cache (tiny inputs).
+        cfg = dataclasses.replace(cfg, block_kv=min(cfg.block_kv, max(16, pow2(max_len))))
+    else:
+        cfg = config
+        block_rows = min(cfg.block_rows, max(MIN_ROWS, pow2(rows)))
+        check_decode_config(cfg, block_rows, d, dv, q.dtype, kind, tile_reads)
+    row_blocks = _cdiv(rows, block_rows)
+    tiles = _cdiv(max_len, cfg.block_kv)
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, kv_heads, max_len, config=cfg, row_blocks=row_blocks,
+                                       device_kind=None if interpret else kind)
+    if isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)) or num_splits < 1:
+        raise ValueError(f"decode_attention_pallas: num_splits must be None or a positive int, got {num_splits!r}")
+    num_splits = int(num_splits)
+    # Splits beyond one per tile would be empty: the same result with fewer programs.
+    tiles_per_split = _cdiv(tiles, min(num_splits, tiles))
+    splits = _cdiv(tiles, tiles_per_split)
+    st = _Static(config=cfg, block_rows=block_rows, row_blocks=row_blocks, splits=splits,
+                 tiles_per_split=tiles_per_split, scale=scale, score_mod=score_tm, mask_mod=mask_tm,
+                 interpret=bool(interpret))
+    captured = tuple(jnp.asarray(c) for tm in (score_tm, mask_tm) if tm is not None for c in tm.captured)
+    n_score_cap = score_tm.num_captured if score_tm is not None else 0
+    out, lse = _decode_call(st, q, k_cache, v_cache, kv_lens, captured, n_score_cap)
+    return out, lse, splits
