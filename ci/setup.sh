@@ -12,5 +12,12 @@ if [ ! -x .venv/bin/python ]; then
   [ -n "$py" ] || { echo "ci/setup.sh: no Python >= 3.12 found (pyenv 3.12.1 expected)" >&2; exit 1; }
   "$py" -m venv .venv
 fi
+# Skip pip when the install is current: same pyproject.toml and Python as the last successful install.
+stamp=".venv/.flashlax-install"
+want="$(sha256sum pyproject.toml | cut -d' ' -f1) $(.venv/bin/python -c 'import sys; print(sys.version)')"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && .venv/bin/python -c 'import flashlax' 2>/dev/null; then
+  exit 0
+fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e '.[test,bench]'
+echo "$want" > "$stamp"

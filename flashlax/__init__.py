@@ -19,3 +19,8 @@ __all__ = [
     "score_mods",
 ]
 __version__ = "0.1.0"
+
+
+def __dir__() -> list[str]:
+    """The public API only (the implementation modules stay importable, e.g. ``flashlax.dispatch``)."""
+    return sorted(__all__ + ["__version__"])

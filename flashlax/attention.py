@@ -283,6 +283,10 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
       The output in query's shape and dtype, or (output, residual). A row with every key masked gets the
       mean of the values, exactly as jax's large-negative-logit masking gives.
 
+    Raises:
+      TypeError: an unknown keyword argument (as jax). ValueError: shapes, dtypes or broadcasts that do not
+      fit, an unknown implementation, dropout. RuntimeError: implementation="pallas" without a GPU.
+
     Example:
       >>> x = jnp.ones((2, 8, 4, 16))
       >>> flashlax.dot_product_attention(x, x, x, is_causal=True).shape

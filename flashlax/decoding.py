@@ -34,14 +34,34 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, *, kv
                      interpret: bool = False):
     """Attention of 1..16 new tokens against a KV cache (split-KV flash decoding).
 
-    q: [B, Hq, Lq, D] with 1 <= Lq <= 16; k_cache: [B, Hkv, Lmax, D]; v_cache: [B, Hkv, Lmax, Dv];
-    kv_lens: integer [B] valid cache lengths including the new tokens (default Lmax); concrete values
-    outside [Lq, Lmax] raise ValueError, traced ones give NaN rows for that batch element. New token i sits at
-    position kv_lens - Lq + i and sees cache positions <= its own (mods get that position as q_idx).
-    num_splits: parts of the cache reduced in parallel and merged by log-sum-exp (None: chosen from the
-    shape and the device). Returns out [B, Hq, Lq, Dv] in q's dtype (and lse [B, Hq, Lq] float32).
-    Changing kv_lens values never recompiles; cache rows past kv_lens are never used. Not differentiable
-    (an inference op): differentiating it raises TypeError; train with flex_attention.
+    Args:
+      q: [B, Hq, Lq, D], 1 <= Lq <= 16 new tokens (speculative decoding verifies several).
+      k_cache, v_cache: [B, Hkv, Lmax, D] and [B, Hkv, Lmax, Dv], one dtype with q; Hq % Hkv == 0.
+      kv_lens: integer [B] valid cache lengths including the new tokens (default Lmax). New token i sits
+        at position kv_lens - Lq + i and sees cache positions <= its own; rows past kv_lens are never used.
+        Changing values never recompiles.
+      scale: default D ** -0.5 (a number or a traced scalar).
+      num_splits: parts of the cache reduced in parallel and merged by log-sum-exp (None: chosen from the
+        shape and the device).
+      score_mod, mask_mod: as in flex_attention (scalar semantics); q_idx is the new token's absolute
+        position.
+      return_lse: also return lse [B, Hq, Lq] float32.
+      impl: None (the backend's default: "pallas" on GPU, "xla" on CPU), "xla" or "pallas".
+      interpret: run the Pallas kernel in the Pallas interpreter (CPU testing).
+
+    Returns:
+      out [B, Hq, Lq, Dv] in q's dtype, or (out, lse).
+
+    Raises:
+      ValueError: bad shapes or dtypes, Lq outside 1..16, concrete kv_lens outside [Lq, Lmax] (traced ones
+        give NaN rows for that batch element instead), bad mods or num_splits.
+      RuntimeError: impl="pallas" on CPU without interpret=True.
+      TypeError: when differentiated (an inference op; train with flex_attention).
+
+    Example:
+      >>> q, cache = jnp.ones((2, 8, 1, 64)), jnp.ones((2, 2, 1024, 64))
+      >>> flashlax.decode_attention(q, cache, cache, kv_lens=jnp.array([700, 1024])).shape
+      (2, 8, 1, 64)
     """
     op = "decode_attention"
     q, k_cache, v_cache = jnp.asarray(q), jnp.asarray(k_cache), jnp.asarray(v_cache)

@@ -85,6 +85,14 @@ def gated_delta_rule(q, k, v, log_alpha, beta=None, *, scale: float | None = Non
       "ssd" or None (the backend's default). interpret: run a Pallas kernel in the interpreter.
     Returns:
       o [B, H, T, dv] in v's dtype, or (o, final_state).
+    Raises:
+      ValueError: bad shapes or dtypes, a chunk_size outside 16/32/64/128, a non-numeric scale.
+      RuntimeError: impl="ssd" on CPU without interpret=True.
+    Example:
+      >>> x = jnp.ones((1, 2, 100, 16)) / 4.0
+      >>> o = flashlax.gated_delta_rule(x, x, x, -jnp.ones((1, 2, 100)), jnp.full((1, 2, 100), 0.5))
+      >>> o.shape
+      (1, 2, 100, 16)
     """
     scale = _validate(q, k, v, log_alpha, beta, scale, initial_state, chunk_size)
     entry, fn = dispatch.resolve("gated_delta_rule", impl, interpret=interpret)

@@ -149,13 +149,32 @@ DEFAULT_BLOCK = 128     # create_block_mask's default tile (both axes), as in to
 
 def create_block_mask(mask_mod: MaskMod | None, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int,
                       *, block_q: int = DEFAULT_BLOCK, block_kv: int = DEFAULT_BLOCK) -> BlockMask:
-    """Classifies the tiles of ``mask_mod`` over [B, H, Q_LEN, KV_LEN] (B or H None: independent of it).
+    """The tile structure of ``mask_mod`` over [B, H, Q_LEN, KV_LEN], for reuse across calls.
 
-    Works under ``jit`` (mods may capture traced arrays); memory is bounded by evaluating a few tiles at a
-    time. ``mask_mod=None`` means no mask: every tile is full. Under ``jit``, a mod that captures no
-    traced array (causal, sliding window, documents from concrete segment ids) is classified once, at
-    trace time, and its lists become constants of the compiled program: nothing runs per call (building
-    a causal T=4096 mask inside a jitted call cost ~0.2 ms per call on the H200 before this).
+    Cuts the [Q_LEN, KV_LEN] plane into ``block_q x block_kv`` tiles and classifies each as empty, partial
+    or full, so kernels skip empty tiles and evaluate ``mask_mod`` only on partial ones.
+
+    Args:
+      mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool`` written for scalars (True = attend), or None
+        (no mask: every tile full).
+      B, H: batch size and query heads, or None when the mask does not depend on them (a mod that reads
+        ``b`` / ``h`` then raises).
+      Q_LEN, KV_LEN: sequence lengths. block_q, block_kv: tile sizes (default 128).
+
+    Returns:
+      A BlockMask (a pytree; usable under jit) that carries ``mask_mod``.
+
+    Raises:
+      ValueError: non-positive lengths or tiles, a mod with the wrong arguments or a non-bool result, a mod
+        that reads ``b`` / ``h`` with B / H None.
+
+    Works under ``jit``: a mod capturing only concrete arrays is classified once, at trace time; a mod
+    capturing traced arrays (segment ids passed as jit arguments) is classified in the compiled program.
+
+    Example:
+      >>> bm = flashlax.create_block_mask(flashlax.masks.causal, None, None, 1024, 1024)
+      >>> bm.num_tiles
+      (8, 8)
     """
     for name, val in (("Q_LEN", Q_LEN), ("KV_LEN", KV_LEN), ("block_q", block_q), ("block_kv", block_kv)):
         if not isinstance(val, (int, np.integer)) or val < 1:
