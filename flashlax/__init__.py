@@ -1,13 +1,15 @@
 """flashlax: attention kernels for JAX (Pallas GPU kernels with pure-XLA fallbacks)."""
 
 from flashlax import masks, score_mods
-from flashlax.attention import dot_product_attention, flex_attention
+from flashlax.attention import AuxOutput, AuxRequest, dot_product_attention, flex_attention
 from flashlax.decoding import decode_attention
 from flashlax.dispatch import available_impls
 from flashlax.linear import gated_delta_rule
 from flashlax.masks import BlockMask, create_block_mask
 
 __all__ = [
+    "AuxOutput",
+    "AuxRequest",
     "BlockMask",
     "available_impls",
     "create_block_mask",

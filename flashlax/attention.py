@@ -7,16 +7,17 @@ repeated to Hq heads, the old baseline) and ``"pallas"`` (the GPU kernel).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import numbers
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from flashlax import _mods, dispatch
+from flashlax import _mods, dispatch, paged
 from flashlax import masks as masks_lib
 from flashlax.masks import BlockMask
 
@@ -115,10 +116,41 @@ def _check_block_mask(op: str, block_mask, mask_mod, q, k) -> None:
                          "block_mask alone, or a block mask built from this mask_mod")
 
 
+class AuxRequest(NamedTuple):
+    """Which auxiliary outputs ``flex_attention(..., return_aux=AuxRequest(...))`` returns (PyTorch's
+    AuxRequest): ``lse`` the log-sum-exp of each row, ``max_scores`` the maximum of each row's scores."""
+
+    lse: bool = False
+    max_scores: bool = False
+
+
+class AuxOutput(NamedTuple):
+    """The auxiliary outputs of ``flex_attention(..., return_aux=...)`` (PyTorch's AuxOutput): each float32
+    [B, Hq, Lq], or None when not requested. ``lse``: natural-log log-sum-exp of the row's scores
+    (differentiable). ``max_scores``: the largest score of the row after score_mod and the mask (the scaled
+    logit ``scale * q.k`` modded; no gradient). Fully masked rows: -inf for both."""
+
+    lse: jax.Array | None = None
+    max_scores: jax.Array | None = None
+
+
+def _check_kv_lens(op: str, kv_lens, batch: int, kv_len: int) -> jax.Array:
+    """int32 [B] per-sequence key counts in [0, Lkv] (concrete values checked; traced ones clamped)."""
+    lens = jnp.asarray(kv_lens)
+    if lens.shape != (batch,) or not jnp.issubdtype(lens.dtype, jnp.integer):
+        raise ValueError(f"{op}: kv_lens must be integer [B={batch}], got {lens.dtype} {lens.shape}")
+    if not isinstance(lens, jax.core.Tracer):
+        values = np.asarray(lens)
+        if values.min() < 0 or values.max() > kv_len:
+            raise ValueError(f"{op}: kv_lens must lie in [0, Lkv={kv_len}], got {values.tolist()}")
+    return jnp.clip(lens, 0, kv_len).astype(jnp.int32)
+
+
 def flex_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, score_mod: Callable | None = None,
                    mask_mod: Callable | None = None, block_mask: BlockMask | None = None,
-                   scale: float | None = None, return_lse: bool = False, impl: str | None = None,
-                   interpret: bool = False):
+                   scale: float | None = None, return_lse: bool = False, return_aux: AuxRequest | None = None,
+                   kernel_options: dict | None = None, block_table: jax.Array | None = None,
+                   kv_lens: jax.Array | None = None, impl: str | None = None, interpret: bool = False):
     """Softmax attention with FlexAttention-style score and mask mods (GQA native).
 
     Args:
@@ -128,36 +160,104 @@ def flex_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, score_mod: Calla
         PyTorch FlexAttention (it may index captured arrays, reduce, chain indexing); ``score`` is the
         scaled logit ``scale * q.k``.
       mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool`` or None (True = attend), scalar semantics.
-      block_mask: a BlockMask from :func:`create_block_mask` (it carries its mask_mod); passing it with a
+      block_mask: a BlockMask from :func:`create_block_mask` (it carries its mask_mod) or
+        ``BlockMask.from_kv_blocks`` (its tiles are part of the mask, as in PyTorch); passing it with a
         different ``mask_mod`` is a ValueError.
       scale: default ``D ** -0.5``; a Python number, or a traced scalar (then differentiable).
       return_lse: also return the log-sum-exp [B, Hq, Lq] float32 (natural log).
+      return_aux: an :class:`AuxRequest` (PyTorch's spelling): return (out, :class:`AuxOutput`) with the
+        lse and/or the row maximum of the scores (``max_scores``). Not together with ``return_lse``.
+      kernel_options: a dict overriding the Pallas kernel's config with PyTorch's names: ``BLOCK_M``,
+        ``BLOCK_N`` (forward tiles), ``num_warps``, ``num_stages``, their ``fwd_`` / ``bwd_`` variants and
+        ``bwd_BLOCK_M1`` / ``N1`` (dK/dV pass) / ``M2`` / ``N2`` (dQ pass), plus ``pack_gqa`` and
+        ``q_major``. Names and values are checked on every impl; the XLA impls have no such knobs and
+        ignore them (so the same call runs on CPU); on "pallas" a config that needs more shared memory
+        than the device has is a ValueError before anything compiles.
+      block_table: int32 [B, max_pages] for paged K/V: k, v are then pages [num_pages, Hkv, page_size, D]
+        (``Dv`` for v) and page ``block_table[b, j]`` holds keys j * page_size ... of sequence b; Lkv =
+        max_pages * page_size. Pages may be shared and in any order. "pallas" reads the pages in the kernel
+        (forward; its backward gathers them); the XLA impls gather them first. Gradients reach the pages.
+      kv_lens: int [B] or None: keys at or past kv_lens[b] are masked (and never read by the kernel), e.g.
+        the filled part of a paged cache. Values in [0, Lkv]; changing them never recompiles.
       impl: None (the backend's default), "xla", "repeat" or "pallas" (GPU kernel).
       interpret: run the Pallas kernel in the Pallas interpreter (CPU testing).
 
     Returns:
-      out [B, Hq, Lq, Dv] in q's dtype, or (out, lse). Fully masked rows give out 0 and lse -inf.
+      out [B, Hq, Lq, Dv] in q's dtype, or (out, lse), or (out, AuxOutput) with ``return_aux``. Fully
+      masked rows give out 0 and lse (and max_scores) -inf.
 
     Raises:
       ValueError: bad shapes/dtypes, a mod with the wrong arguments or result type, a block mask that does
-        not fit. RuntimeError: impl="pallas" on CPU without ``interpret=True``.
+        not fit, a bad block table / kv_lens, unknown or invalid kernel_options (or, on "pallas", options
+        that do not fit the device's shared memory), return_lse with return_aux.
+      RuntimeError: impl="pallas" on CPU without ``interpret=True``.
 
     Example:
       >>> q = k = v = jnp.ones((1, 2, 8, 16))
       >>> flashlax.flex_attention(q, k, v, mask_mod=flashlax.masks.causal).shape
       (1, 2, 8, 16)
+      >>> out, aux = flashlax.flex_attention(q, k, v, return_aux=flashlax.AuxRequest(max_scores=True))
+      >>> aux.max_scores.shape
+      (1, 2, 8)
     """
     op = "flex_attention"
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
-    check_attention_inputs(op, q, k, v)
+    k_view, v_view = k, v           # what the checks see: the logical [B, Hkv, Lkv, D] of a paged cache
+    if block_table is not None:
+        if jnp.ndim(block_table) != 2 or k.ndim != 4 or v.ndim != 4:
+            raise ValueError(f"{op}: with block_table [B, max_pages], k and v are pages [num_pages, Hkv, "
+                             f"page_size, D]; got block_table {jnp.shape(block_table)}, k {k.shape}, v {v.shape}")
+        kv_len = jnp.shape(block_table)[1] * k.shape[2]
+        k_view, v_view = (jax.ShapeDtypeStruct((q.shape[0], x.shape[1], kv_len, x.shape[3]), x.dtype)
+                          for x in (k, v))
+    check_attention_inputs(op, q, k_view, v_view)
+    if kv_lens is not None:
+        kv_lens = _check_kv_lens(op, kv_lens, q.shape[0], k_view.shape[2])
+    if block_table is not None:
+        block_table = paged.check_block_table(op, block_table, k, v, q.shape[0], kv_lens)
     check_mods(op, score_mod, mask_mod)
     if block_mask is not None:
-        _check_block_mask(op, block_mask, mask_mod, q, k)
+        _check_block_mask(op, block_mask, mask_mod, q, k_view)
+    if return_aux is not None and not isinstance(return_aux, AuxRequest):
+        raise ValueError(f"{op}: return_aux must be an AuxRequest or None, got {type(return_aux).__name__}")
+    if return_aux is not None and return_lse:
+        raise ValueError(f"{op}: pass return_lse or return_aux, not both (AuxRequest(lse=True) asks for the lse)")
+    if kernel_options is not None:
+        from flashlax.kernels.configs import parse_kernel_options   # names and values, on every impl
+        parse_kernel_options(kernel_options, op)
     effective_mask = mask_mod if mask_mod is not None else (block_mask.mask_mod if block_mask is not None else None)
+    if block_mask is not None and (block_mask.layout_defines_mask or kv_lens is not None):
+        # The tiles are part of the mask (from_kv_blocks), or the lengths cut it: the impls get a mod that
+        # is the whole mask, and a block mask whose tiles agree with it.
+        if kv_lens is not None:
+            block_mask = masks_lib.restrict_keys(block_mask, kv_lens)
+        else:
+            block_mask = dataclasses.replace(block_mask, mask_mod=block_mask.exact_mask_mod(),
+                                             layout_defines_mask=False)
+        effective_mask = block_mask.mask_mod
+    elif kv_lens is not None:
+        below = masks_lib.keys_below(kv_lens)
+        effective_mask = below if effective_mask is None else masks_lib.and_masks(effective_mask, below)
     scale, score_mod = resolve_scale(op, scale, q.shape[3], score_mod)
-    _, fn = dispatch.resolve(op, impl, interpret=interpret)
-    return fn(q, k, v, score_mod=score_mod, mask_mod=effective_mask, block_mask=block_mask, scale=scale,
-              return_lse=bool(return_lse), interpret=interpret)
+    entry, fn = dispatch.resolve(op, impl, interpret=interpret)
+    want_lse = bool(return_lse) or (return_aux is not None and return_aux.lse)
+    want_max = return_aux is not None and return_aux.max_scores
+    extra = {}
+    if entry.kind == "pallas":
+        extra = {name: val for name, val in (("block_table", block_table), ("kv_lens", kv_lens),
+                                             ("kernel_options", kernel_options)) if val is not None}
+    else:       # the XLA impls see contiguous K/V, zero past kv_lens (garbage there cannot leak)
+        if block_table is not None:
+            k, v = (paged.gather_pages(x, block_table) for x in (k, v))
+        if kv_lens is not None:
+            k, v = (paged.zero_past(jnp.broadcast_to(x, (q.shape[0],) + x.shape[1:]), kv_lens) for x in (k, v))
+    result = fn(q, k, v, score_mod=score_mod, mask_mod=effective_mask, block_mask=block_mask, scale=scale,
+                return_lse=want_lse, interpret=interpret, **({"return_max": True} if want_max else {}), **extra)
+    if return_aux is None:
+        return result
+    out, lse = result[:2] if isinstance(result, tuple) else (result, None)
+    return out, AuxOutput(lse=lse if return_aux.lse else None,
+                          max_scores=result[2] if want_max else None)
 
 
 # ----------------------------------------------------------------------------------------------------

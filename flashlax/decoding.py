@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flashlax import dispatch
+from flashlax import dispatch, paged
 from flashlax.attention import check_mods, resolve_scale
 
 MAX_NEW_TOKENS = 16
@@ -29,9 +29,9 @@ def _not_differentiable_jvp(primals, tangents):
 
 
 def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, *, kv_lens: jax.Array | None = None,
-                     scale: float | None = None, num_splits: int | None = None, score_mod: Callable | None = None,
-                     mask_mod: Callable | None = None, return_lse: bool = False, impl: str | None = None,
-                     interpret: bool = False):
+                     block_table: jax.Array | None = None, scale: float | None = None, num_splits: int | None = None,
+                     score_mod: Callable | None = None, mask_mod: Callable | None = None, return_lse: bool = False,
+                     impl: str | None = None, interpret: bool = False):
     """Attention of 1..16 new tokens against a KV cache (split-KV flash decoding).
 
     Args:
@@ -40,6 +40,11 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, *, kv
       kv_lens: integer [B] valid cache lengths including the new tokens (default Lmax). New token i sits
         at position kv_lens - Lq + i and sees cache positions <= its own; rows past kv_lens are never used.
         Changing values never recompiles.
+      block_table: int32 [B, max_pages] for a paged cache: k_cache, v_cache are then pages
+        [num_pages, Hkv, page_size, D / Dv], page ``block_table[b, j]`` holds positions
+        j * page_size ... of sequence b (Lmax = max_pages * page_size). Pages may be shared between
+        sequences and come in any order; entries past a sequence's length are never used. The Pallas
+        kernel reads the pages in place; the XLA path gathers them first.
       scale: default D ** -0.5 (a number or a traced scalar).
       num_splits: parts of the cache reduced in parallel and merged by log-sum-exp (None: chosen from the
         shape and the device).
@@ -54,13 +59,17 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, *, kv
 
     Raises:
       ValueError: bad shapes or dtypes, Lq outside 1..16, concrete kv_lens outside [Lq, Lmax] (traced ones
-        give NaN rows for that batch element instead), bad mods or num_splits.
+        give NaN rows for that batch element instead), bad mods or num_splits, a block table that is not
+        integer [B, max_pages] or (when concrete) uses a page outside the pool.
       RuntimeError: impl="pallas" on CPU without interpret=True.
       TypeError: when differentiated (an inference op; train with flex_attention).
 
     Example:
       >>> q, cache = jnp.ones((2, 8, 1, 64)), jnp.ones((2, 2, 1024, 64))
       >>> flashlax.decode_attention(q, cache, cache, kv_lens=jnp.array([700, 1024])).shape
+      (2, 8, 1, 64)
+      >>> pages, table = jnp.ones((8, 2, 256, 64)), jnp.array([[3, 0, 5, 1], [2, 7, 4, 6]])
+      >>> flashlax.decode_attention(q, pages, pages, kv_lens=jnp.array([700, 1024]), block_table=table).shape
       (2, 8, 1, 64)
     """
     op = "decode_attention"
@@ -75,13 +84,19 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, *, kv
         raise ValueError(f"{op}: q, k_cache and v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, "
                          f"{v_cache.dtype}")
     batch, q_heads, q_len, head_dim = q.shape
-    if not (k_cache.shape[0] == v_cache.shape[0] == batch):
+    if block_table is None and not (k_cache.shape[0] == v_cache.shape[0] == batch):
         raise ValueError(f"{op}: batch sizes of q, k_cache and v_cache differ (got {shapes})")
     if not 1 <= q_len <= MAX_NEW_TOKENS:
         raise ValueError(f"{op}: q must hold 1..{MAX_NEW_TOKENS} new tokens, got Lq={q_len} (got {shapes})")
     if k_cache.shape[:3] != v_cache.shape[:3]:
-        raise ValueError(f"{op}: k_cache and v_cache must agree in [B, Hkv, Lmax] (got {shapes})")
+        raise ValueError(f"{op}: k_cache and v_cache must agree in [B, Hkv, Lmax] (pages: [num_pages, Hkv, "
+                         f"page_size]) (got {shapes})")
     kv_heads, max_len = k_cache.shape[1], k_cache.shape[2]
+    if block_table is not None:
+        if jnp.ndim(block_table) != 2:
+            raise ValueError(f"{op}: block_table must be [B, max_pages], got shape {jnp.shape(block_table)} "
+                             f"({shapes})")
+        max_len = jnp.shape(block_table)[1] * k_cache.shape[2]
     if q_heads % kv_heads:
         raise ValueError(f"{op}: query heads Hq={q_heads} must be a multiple of cache heads Hkv={kv_heads} "
                          f"(got {shapes})")
@@ -112,11 +127,18 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, *, kv
     if num_splits is not None and (not isinstance(num_splits, (int, np.integer)) or isinstance(num_splits, bool)
                                    or not 1 <= num_splits <= max_len):
         raise ValueError(f"{op}: num_splits must be None or an int in [1, Lmax={max_len}], got {num_splits!r}")
+    if block_table is not None:
+        block_table = paged.check_block_table(op, block_table, k_cache, v_cache, batch, kv_lens)
     scale, score_mod = resolve_scale(op, scale, head_dim, score_mod)
-    _, fn = dispatch.resolve(op, impl, interpret=interpret)
+    entry, fn = dispatch.resolve(op, impl, interpret=interpret)
     q, k_cache, v_cache = _not_differentiable(q, k_cache, v_cache)
+    paging = {}
+    if block_table is not None and entry.kind == "pallas":
+        paging = dict(block_table=block_table)      # the kernel reads the pages in place
+    elif block_table is not None:
+        k_cache, v_cache = (paged.gather_pages(c, block_table) for c in (k_cache, v_cache))
     result = fn(q, k_cache, v_cache, kv_lens=kv_lens, scale=scale, num_splits=num_splits, score_mod=score_mod,
-                mask_mod=mask_mod, return_lse=bool(return_lse), interpret=interpret)
+                mask_mod=mask_mod, return_lse=bool(return_lse), interpret=interpret, **paging)
     if not traced_lens:
         return result
     # Traced kv_lens cannot be checked here: a batch element whose length lies outside [Lq, Lmax] gets NaN

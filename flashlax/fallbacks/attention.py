@@ -264,7 +264,8 @@ def _kv_tile(spec: _Spec, sched: Schedule, k, v, kv_starts, q_start, i, t):
 
 
 def _forward(spec: _Spec, q, k, v, score_consts, mask_consts, sched: Schedule):
-    """q [B, Hkv, G, Lq, D], k [B, Hkv, Lkv, D], v [B, Hkv, Lkv, Dv] -> out [B, Hkv, G, Lq, Dv], lse f32."""
+    """q [B, Hkv, G, Lq, D], k [B, Hkv, Lkv, D], v [B, Hkv, Lkv, Dv] -> out [B, Hkv, G, Lq, Dv], lse and the
+    row maximum of the (modded, masked) scores, both [B, Hkv, G, Lq] in spec.acc (-inf: fully masked)."""
     bsz, hkv, m_rows, dv = spec.batch, spec.kv_heads, spec.rows, v.shape[-1]
     q_starts, _ = tile_bounds(spec.q_len, spec.block_q)
     kv_starts, kv_lows = tile_bounds(spec.kv_len, spec.block_kv)
@@ -302,10 +303,10 @@ def _forward(spec: _Spec, q, k, v, score_consts, mask_consts, sched: Schedule):
         out = acc / jnp.where(has_any, l, 1.0)[..., None]  # fully masked rows: 0
         lse = jnp.where(has_any, m + jnp.log(jnp.where(has_any, l, 1.0)), NEG_INF)
         shape = (bsz, hkv, spec.groups, spec.block_q)
-        return out.astype(q.dtype).reshape(shape + (dv,)), lse.reshape(shape)
+        return out.astype(q.dtype).reshape(shape + (dv,)), lse.reshape(shape), m.reshape(shape)
 
-    outs, lses = lax.map(q_tile, jnp.arange(len(q_starts), dtype=jnp.int32))
-    return _assemble(outs, spec.q_len, spec.block_q), _assemble(lses, spec.q_len, spec.block_q)
+    tiles = lax.map(q_tile, jnp.arange(len(q_starts), dtype=jnp.int32))
+    return tuple(_assemble(t, spec.q_len, spec.block_q) for t in tiles)
 
 
 def _backward(spec: _Spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, sched: Schedule):
@@ -405,12 +406,12 @@ def _blockwise_attention(spec: _Spec, q, k, v, score_consts, mask_consts, sched:
         return _forward(spec, q, k, v, score_consts, mask_consts, Schedule(*sched_arrays))
 
     def fwd(q, k, v, score_consts, mask_consts, sched_arrays):
-        out, lse = attend(q, k, v, score_consts, mask_consts, sched_arrays)
-        return (out, lse), (q, k, v, out, finite_lse(lse), score_consts, mask_consts, sched_arrays)
+        out, lse, row_max = attend(q, k, v, score_consts, mask_consts, sched_arrays)
+        return (out, lse, row_max), (q, k, v, out, finite_lse(lse), score_consts, mask_consts, sched_arrays)
 
     def bwd(res, cotangents):
         q, k, v, out, lse, score_consts, mask_consts, sched_arrays = res
-        dout, dlse = cotangents
+        dout, dlse, _ = cotangents       # the row maximum carries no gradient
         dq, dk, dv, d_score = _backward(spec, q, k, v, out, lse, dout, dlse.astype(spec.acc), score_consts,
                                         mask_consts, Schedule(*sched_arrays))
         return (dq, dk, dv, d_score, tuple(map(zero_cotangent, mask_consts)),
@@ -422,13 +423,14 @@ def _blockwise_attention(spec: _Spec, q, k, v, score_consts, mask_consts, sched:
 
 
 def flex_attention_xla(q, k, v, *, score_mod=None, mask_mod=None, block_mask=None, scale, return_lse=False,
-                       interpret=False, block_q: int | None = None, block_kv: int | None = None):
+                       return_max=False, interpret=False, block_q: int | None = None, block_kv: int | None = None):
     """Blockwise online-softmax attention in XLA (GQA native, memory linear in sequence length).
 
     q: [B, Hq, Lq, D], k: [B or 1, Hkv, Lkv, D], v: [B or 1, Hkv, Lkv, Dv] -> out [B, Hq, Lq, Dv]
-    (and lse [B, Hq, Lq] float32, float64 for float64 inputs, when ``return_lse``). ``interpret`` is
-    ignored. ``block_q`` is the number of rows per query head in a tile (G * block_q rows are processed
-    together).
+    (and lse [B, Hq, Lq] float32, float64 for float64 inputs, when ``return_lse``; ``return_max``:
+    (out, lse, max) with the row maximum of the modded, masked scores, -inf for fully masked rows, no
+    gradient). ``interpret`` is ignored. ``block_q`` is the number of rows per query head in a tile
+    (G * block_q rows are processed together).
     """
     del interpret
     k, v = broadcast_kv_batch(q, k, v)
@@ -455,8 +457,10 @@ def flex_attention_xla(q, k, v, *, score_mod=None, mask_mod=None, block_mask=Non
     spec = _Spec(bsz, hkv, groups, lq, lkv, block_q, block_kv, float(scale), precision_for(q.dtype), acc,
                  score_fn, mask_fn, may_mask=mask_fn is not None or lkv % block_kv != 0)
     q5 = q.reshape(bsz, hkv, groups, lq, d)
-    out, lse = _blockwise_attention(spec, q5, k, v, score_consts, mask_consts, sched)
+    out, lse, row_max = _blockwise_attention(spec, q5, k, v, score_consts, mask_consts, sched)
     out = out.reshape(bsz, hq, lq, dv)
+    if return_max:
+        return out, lse.reshape(bsz, hq, lq), lax.stop_gradient(row_max.reshape(bsz, hq, lq))
     return (out, lse.reshape(bsz, hq, lq)) if return_lse else out
 
 
@@ -487,11 +491,11 @@ def masked_score_mod(score_mod, s, allowed, *idx):
 # The K/V-repeat baseline
 # ----------------------------------------------------------------------------------------------------
 
-def dense_attention(q, k, v, *, score_mod=None, mask_mod=None, scale, precision=None):
+def dense_attention(q, k, v, *, score_mod=None, mask_mod=None, scale, precision=None, return_max=False):
     """Materialised attention with the K/V heads given per query head: q, k, v [B, H, L*, D*].
 
-    Returns (out in q's dtype, lse f32, or f64 for f64 inputs). Fully masked rows: out 0, lse -inf,
-    finite gradients.
+    Returns (out in q's dtype, lse f32, or f64 for f64 inputs), and with ``return_max`` the row maximum of
+    the modded, masked scores (no gradient). Fully masked rows: out 0, lse and max -inf, finite gradients.
     """
     precision = precision or precision_for(q.dtype)
     acc = acc_dtype(q.dtype)
@@ -506,8 +510,9 @@ def dense_attention(q, k, v, *, score_mod=None, mask_mod=None, scale, precision=
     allowed = None if mask_mod is None else jnp.broadcast_to(_mods.apply_mod(mask_mod, b, h, q_idx, kv_idx),
                                                              s.shape)
     s = masked_score_mod(score_mod, s, allowed, b, h, q_idx, kv_idx)
-    m = s.max(-1, keepdims=True)
-    m = lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+    row_max = lax.stop_gradient(s.max(-1))
+    m = row_max[..., None]
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
     e = jnp.exp(s - m)
     l = e.sum(-1)
     has_any = l > 0
@@ -515,14 +520,15 @@ def dense_attention(q, k, v, *, score_mod=None, mask_mod=None, scale, precision=
     pv = jnp.einsum("bhqk,bhkd->bhqd", e.astype(v.dtype), v, precision=precision, preferred_element_type=acc)
     out = pv / l_safe[..., None]
     lse = jnp.where(has_any, m[..., 0] + jnp.log(l_safe), NEG_INF)
-    return out.astype(q.dtype), lse
+    return (out.astype(q.dtype), lse, row_max) if return_max else (out.astype(q.dtype), lse)
 
 
 def flex_attention_repeat(q, k, v, *, score_mod=None, mask_mod=None, block_mask=None, scale, return_lse=False,
-                          interpret=False):
+                          return_max=False, interpret=False):
     """The old baseline: K/V repeated to Hq heads (jnp.repeat), then materialised attention.
 
     q: [B, Hq, Lq, D], k: [B, Hkv, Lkv, D], v: [B, Hkv, Lkv, Dv]. Memory is quadratic in length.
+    ``return_max``: (out, lse, row max) as flex_attention_xla.
     """
     del interpret
     if mask_mod is None and block_mask is not None:
@@ -531,5 +537,6 @@ def flex_attention_repeat(q, k, v, *, score_mod=None, mask_mod=None, block_mask=
     groups = q.shape[1] // k.shape[1]
     k_rep = jnp.repeat(k, groups, axis=1)
     v_rep = jnp.repeat(v, groups, axis=1)
-    out, lse = dense_attention(q, k_rep, v_rep, score_mod=score_mod, mask_mod=mask_mod, scale=scale)
-    return (out, lse) if return_lse else out
+    res = dense_attention(q, k_rep, v_rep, score_mod=score_mod, mask_mod=mask_mod, scale=scale,
+                          return_max=return_max)
+    return res if return_lse or return_max else res[0]

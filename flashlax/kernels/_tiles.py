@@ -94,17 +94,52 @@ def _tile_mask(start, rows: int, n_rows: int, cols: int, n_cols: int, aligned: b
     return mask
 
 
-def load_tile(ref, start, rows: int, n_rows: int, cols: int, n_cols: int, aligned: bool = False):
+@dataclasses.dataclass(frozen=True)
+class Pages:
+    """A paged K/V ref as one kernel program sees it (``flashlax.paged``): the K/V ref is
+    [num_pages, page_size, C] (one KV head of the pool) and ``table`` the int32 [max_pages] ref of this
+    sequence's block table; logical row r lives at row r % page_size of page table[r // page_size]."""
+
+    table: Any
+    page_size: int
+    num_pages: int
+    max_pages: int
+
+
+def kv_tile_view(ref, start, rows: int, cols: int, pages: Pages | None = None):
+    """``ref.at[...]`` of the logical rows start .. start+rows-1, columns 0 .. cols-1 of a K/V ref: a
+    [L, >= cols] ref, or a paged one (``pages``). A tile inside one page (page_size a multiple of ``rows``,
+    ``start`` a multiple of ``rows``) is one block of that page, looked up with one table read; otherwise
+    each row finds its page (a vector read of the table and a row gather, every index clamped into range so
+    entries past the sequence, whatever they hold, never address outside the pool)."""
+    if pages is None:
+        return ref.at[ds(start, rows), ds(0, cols)]
+    ps = np.int32(pages.page_size)
+    if pages.page_size % rows == 0:
+        entry = jnp.clip(lax.div(i32(start), ps), 0, pages.max_pages - 1)
+        page = jnp.clip(pages.table[entry], 0, pages.num_pages - 1)
+        return ref.at[page, ds(pl.multiple_of(lax.rem(i32(start), ps), rows), rows), ds(0, cols)]
+    pos = i32(start) + lax.broadcasted_iota(jnp.int32, (rows,), 0)
+    entry = jnp.clip(lax.div(pos, ps), 0, pages.max_pages - 1)
+    page = jnp.clip(pages.table[entry], 0, pages.num_pages - 1)
+    return ref.at[page[:, None], lax.rem(pos, ps)[:, None], lax.broadcasted_iota(jnp.int32, (1, cols), 1)]
+
+
+def load_tile(ref, start, rows: int, n_rows, cols: int, n_cols: int, aligned: bool = False,
+              pages: Pages | None = None):
     """[rows, cols] tile of a [n_rows, >= n_cols] ref from row ``start``; 0 outside the array.
 
     ``cols`` is the power-of-two padded width (head dim 96 -> 128): columns >= n_cols read as 0, so they
     add nothing to q.k and produce columns that are never stored. ``aligned=True`` promises ``start`` is a
     multiple of ``rows`` below n_rows; when also n_rows % rows == 0 the row mask is dropped (plain loads).
+    ``n_rows`` may be traced (a per-sequence length; pass aligned=False). ``pages``: a paged K/V ref
+    (:func:`kv_tile_view`).
     """
     mask = _tile_mask(start, rows, n_rows, cols, n_cols, aligned)
+    view = kv_tile_view(ref, start, rows, cols, pages)
     if mask is None:
-        return plgpu.load(ref.at[ds(start, rows), ds(0, cols)])
-    return plgpu.load(ref.at[ds(start, rows), ds(0, cols)], mask=mask, other=0.0)
+        return plgpu.load(view)
+    return plgpu.load(view, mask=mask, other=0.0)
 
 
 def store_tile(ref, start, val, n_rows: int, n_cols: int, aligned: bool = False):

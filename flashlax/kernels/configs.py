@@ -12,6 +12,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def _pow2(n: int) -> int:
@@ -317,3 +318,78 @@ def num_sms(device_kind: str | None = None) -> int:
         except RuntimeError:
             pass
     return NUM_SMS[device_family(device_kind)]
+
+
+# ----------------------------------------------------------------------------------------------------
+# kernel_options: PyTorch FlexAttention's names for the kernel configuration
+# ----------------------------------------------------------------------------------------------------
+
+# name -> (pass, field): "fwd" sets a FlashConfig field, "bwd" a BwdConfig field (flash_attention_bwd.py).
+# Unprefixed BLOCK_M / BLOCK_N are the forward's tiles; unprefixed num_warps / num_stages set both passes; a
+# fwd_ / bwd_ prefixed name wins over the unprefixed one. pack_gqa and q_major are flashlax's own.
+KERNEL_OPTIONS: dict[str, tuple[tuple[str, str], ...]] = {
+    "BLOCK_M": (("fwd", "block_q"),),
+    "BLOCK_N": (("fwd", "block_kv"),),
+    "num_warps": (("fwd", "num_warps"), ("bwd", "num_warps_dkv"), ("bwd", "num_warps_dq")),
+    "num_stages": (("fwd", "num_stages"), ("bwd", "num_stages_dkv"), ("bwd", "num_stages_dq")),
+    "fwd_BLOCK_M": (("fwd", "block_q"),),
+    "fwd_BLOCK_N": (("fwd", "block_kv"),),
+    "fwd_num_warps": (("fwd", "num_warps"),),
+    "fwd_num_stages": (("fwd", "num_stages"),),
+    "bwd_BLOCK_M1": (("bwd", "block_q_dkv"),),
+    "bwd_BLOCK_N1": (("bwd", "block_kv_dkv"),),
+    "bwd_BLOCK_M2": (("bwd", "block_q_dq"),),
+    "bwd_BLOCK_N2": (("bwd", "block_kv_dq"),),
+    "bwd_num_warps": (("bwd", "num_warps_dkv"), ("bwd", "num_warps_dq")),
+    "bwd_num_stages": (("bwd", "num_stages_dkv"), ("bwd", "num_stages_dq")),
+    "pack_gqa": (("fwd", "pack_gqa"),),
+    "q_major": (("fwd", "q_major"),),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelOptions:
+    """``kernel_options`` parsed: FlashConfig fields for the forward, BwdConfig fields for the backward."""
+
+    fwd: dict
+    bwd: dict
+
+    @property
+    def fixed_tiles(self) -> bool:
+        """The forward's tiles were chosen by the caller (a block mask with other tiles is rebuilt)."""
+        return "block_q" in self.fwd or "block_kv" in self.fwd
+
+
+def parse_kernel_options(options, op: str = "flex_attention") -> KernelOptions:
+    """Validates a ``kernel_options`` dict (names and values) and sorts it into forward / backward config
+    fields. ValueError names the option; the shared-memory check needs the device and is the kernel's
+    (:func:`check_config`)."""
+    if options is None:
+        return KernelOptions({}, {})
+    if not isinstance(options, dict):
+        raise ValueError(f"{op}: kernel_options must be a dict or None, got {type(options).__name__}")
+    unknown = sorted(set(options) - set(KERNEL_OPTIONS))
+    if unknown:
+        raise ValueError(f"{op}: unknown kernel_options {unknown}; flashlax accepts {sorted(KERNEL_OPTIONS)}")
+    fields: dict[str, dict] = {"fwd": {}, "bwd": {}}
+    # Unprefixed names first, so fwd_ / bwd_ names override them.
+    for name in sorted(options, key=lambda n: n.startswith(("fwd_", "bwd_"))):
+        value = options[name]
+        flag = name in ("pack_gqa", "q_major")
+        if (flag and not isinstance(value, bool)) or \
+                (not flag and (isinstance(value, bool) or not isinstance(value, (int, np.integer)))):
+            raise ValueError(f"{op}: kernel_options[{name!r}] must be {'a bool' if flag else 'an int'}, "
+                             f"got {value!r}")
+        for which, field in KERNEL_OPTIONS[name]:
+            fields[which][field] = value if flag else int(value)
+    # Value rules (powers of two >= 16, warps 1..16, stages >= 1) are FlashConfig's; the backward's fields
+    # obey the same rules.
+    names = ("block_q", "block_kv", "num_warps", "num_stages")
+    checks = [fields["fwd"]] + [{n: fields["bwd"][f"{n}_{p}"] for n in names if f"{n}_{p}" in fields["bwd"]}
+                                for p in ("dkv", "dq")]
+    for check in checks:
+        try:
+            FlashConfig(**check)
+        except ValueError as err:
+            raise ValueError(f"{op}: kernel_options {options}: {err}") from None
+    return KernelOptions(fields["fwd"], fields["bwd"])

@@ -19,8 +19,13 @@ split the kernel writes the final output in q's dtype itself (one launch, no mer
 
 score_mod / mask_mod run in the kernel through ``_tiles.TileMod`` (scalar semantics, captured arrays passed
 as refs); q_idx is the new token's absolute position. A mod that TileMod cannot evaluate in a kernel
-(``UnsupportedModError``) runs the XLA path instead. Paged caches would map a split's logical tiles to
-pages in ``_kv_tile_start`` (one block_table read per tile); they are not implemented here.
+(``UnsupportedModError``) runs the XLA path instead.
+
+Paged caches (``block_table``, see ``flashlax.paged``): the K/V refs are the pool's pages of the program's KV
+head ([num_pages, page_size, D]) and the sequence's block-table row is an int32 ref read in the kernel. A
+logical tile is loaded from its page (``_tiles.kv_tile_view``): one table read per tile when the page size
+is a multiple of the tile (the tile is one block of one page), a per-row page lookup otherwise (pages of 16
+under 64-key tiles). Nothing is gathered in memory; the rest of the kernel does not change.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from flashlax import paged
 from flashlax.kernels import _tiles
 from flashlax.kernels._tiles import LOG2E, TileMod, pow2
 from flashlax.kernels.configs import (DecodeConfig, check_decode_config, decode_config, decode_shrink_to_fit,
@@ -65,6 +71,9 @@ class _Static:
     score_mod: TileMod | None
     mask_mod: TileMod | None
     interpret: bool
+    page_size: int = 0        # > 0: paged K/V (num_pages, max_pages below)
+    num_pages: int = 0
+    max_pages: int = 0
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -72,25 +81,31 @@ class _Static:
 # ----------------------------------------------------------------------------------------------------
 
 def _kv_tile_start(tile, block_kv: int):
-    """First cache row of logical KV tile ``tile`` (a paged cache would look its page up here)."""
+    """First logical cache row of KV tile ``tile``."""
     return pl.multiple_of(tile * block_kv, block_kv)
 
 
-def _load_kv(ref, start, block_kv: int, cols: int, n_cols: int, kv_len=None):
-    """[block_kv, cols] tile of a [Lmax, >= n_cols] cache ref from row ``start``. ``kv_len`` given: rows at
-    or past it read as 0 (never loaded); columns >= n_cols (head-dim padding) read as 0."""
+def _load_kv(ref, start, block_kv: int, cols: int, n_cols: int, kv_len=None, pages: _tiles.Pages | None = None):
+    """[block_kv, cols] tile of a [Lmax, >= n_cols] cache ref (or paged: ``pages``) from logical row
+    ``start``. ``kv_len`` given: rows at or past it read as 0 (never loaded); columns >= n_cols (head-dim
+    padding) read as 0."""
     mask = None
     if kv_len is not None:
         mask = jnp.broadcast_to(_tiles.row_mask(start, block_kv, kv_len)[:, None], (block_kv, cols))
     if cols != n_cols:
         col_ok = jnp.broadcast_to((jnp.arange(cols, dtype=jnp.int32) < n_cols)[None, :], (block_kv, cols))
         mask = col_ok if mask is None else mask & col_ok
-    block = ref.at[_tiles.ds(start, block_kv), _tiles.ds(0, cols)]
+    block = _tiles.kv_tile_view(ref, start, block_kv, cols, pages)
     return plgpu.load(block) if mask is None else plgpu.load(block, mask=mask, other=0.0)
 
 
-def _decode_kernel(kv_lens_ref, q_ref, k_ref, v_ref, *refs, st: _Static, n_score_cap: int, groups: int,
+def _decode_kernel(kv_lens_ref, *refs, st: _Static, n_score_cap: int, groups: int,
                    q_len: int, q_heads: int, max_len: int, d: int, dv: int):
+    pages = None
+    if st.page_size:
+        pages = _tiles.Pages(refs[0], st.page_size, st.num_pages, st.max_pages)
+        refs = refs[1:]
+    q_ref, k_ref, v_ref, *refs = refs
     n_cap = len(refs) - 2
     cap_refs, (o_ref, lse_ref) = refs[:n_cap], refs[n_cap:]
     score_caps, mask_caps = cap_refs[:n_score_cap], cap_refs[n_score_cap:]
@@ -125,8 +140,8 @@ def _decode_kernel(kv_lens_ref, q_ref, k_ref, v_ref, *refs, st: _Static, n_score
         m_prev, l_prev, acc_prev = carry
         kv_start = _kv_tile_start(tile, bk)
         limit = kv_len if edge else None
-        k = _load_kv(k_ref, kv_start, bk, dp, d, limit)
-        v = _load_kv(v_ref, kv_start, bk, dvp, dv, limit)
+        k = _load_kv(k_ref, kv_start, bk, dp, d, limit, pages)
+        v = _load_kv(v_ref, kv_start, bk, dvp, dv, limit, pages)
         qk = _tiles.dot_nt(q, k, precision)
         kv_idx = kv_start + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
         if st.score_mod is None:
@@ -158,12 +173,15 @@ def _decode_kernel(kv_lens_ref, q_ref, k_ref, v_ref, *refs, st: _Static, n_score
     _tiles.store_vec(lse_ref, row0, lse, rows)
 
 
-def _decode_call(st: _Static, q, k_cache, v_cache, kv_lens, captured, n_score_cap: int):
+def _decode_call(st: _Static, q, k_cache, v_cache, kv_lens, captured, n_score_cap: int, block_table=None):
     """pallas_call of the kernel. Returns (out, lse): out [B, Hkv, rows, Dv] in q's dtype and lse
     [B, Hkv, rows] with one split; float32 partials [B, Hkv, S, rows, Dv] and [B, Hkv, S, rows] otherwise
-    (rows = G * Lq; lse natural log)."""
+    (rows = G * Lq; lse natural log). Paged (``block_table`` int32 [B, max_pages]): the caches are pages
+    [num_pages, Hkv, page_size, D]."""
     batch, q_heads, q_len, d = q.shape
     _, kv_heads, max_len, dv = v_cache.shape
+    if block_table is not None:
+        max_len = block_table.shape[1] * st.page_size
     groups = q_heads // kv_heads
     rows = groups * q_len
     dp, dvp = _padded(d), _padded(dv)
@@ -172,12 +190,17 @@ def _decode_call(st: _Static, q, k_cache, v_cache, kv_lens, captured, n_score_ca
     kv_head = (lambda g: g) if nr == 1 else (lambda g: g // nr)
     q_rows = q.reshape(batch, kv_heads, rows, d)          # row g * Lq + i: head hkv * G + g, token i
 
-    in_specs = [
-        pl.BlockSpec((1,), lambda s, g, b: (b,)),
-        pl.BlockSpec((None, None, rows, dp), lambda s, g, b: (b, kv_head(g), 0, 0)),
-        pl.BlockSpec((None, None, max_len, dp), lambda s, g, b: (b, kv_head(g), 0, 0)),
-        pl.BlockSpec((None, None, max_len, dvp), lambda s, g, b: (b, kv_head(g), 0, 0)),
-    ] + _tiles.captured_specs(captured)
+    in_specs = [pl.BlockSpec((1,), lambda s, g, b: (b,))]
+    paging = ()
+    if block_table is None:
+        cache_spec = lambda cols: pl.BlockSpec((None, None, max_len, cols), lambda s, g, b: (b, kv_head(g), 0, 0))  # noqa: E731
+    else:   # the whole pool of the program's KV head, and the sequence's row of the block table
+        in_specs.append(pl.BlockSpec((None, block_table.shape[1]), lambda s, g, b: (b, 0)))
+        paging = (block_table,)
+        cache_spec = lambda cols: pl.BlockSpec((st.num_pages, None, st.page_size, cols),  # noqa: E731
+                                               lambda s, g, b: (0, kv_head(g), 0, 0))
+    in_specs += [pl.BlockSpec((None, None, rows, dp), lambda s, g, b: (b, kv_head(g), 0, 0)),
+                 cache_spec(dp), cache_spec(dvp)] + _tiles.captured_specs(captured)
     if final:
         out_specs = [pl.BlockSpec((None, None, rows, dvp), lambda s, g, b: (b, kv_head(g), 0, 0)),
                      pl.BlockSpec((None, None, rows), lambda s, g, b: (b, kv_head(g), 0))]
@@ -199,7 +222,7 @@ def _decode_call(st: _Static, q, k_cache, v_cache, kv_lens, captured, n_score_ca
         compiler_params=plgpu.CompilerParams(num_warps=st.config.num_warps, num_stages=st.config.num_stages),
         interpret=st.interpret,
         name="decode_attention",
-    )(kv_lens, q_rows, k_cache, v_cache, *captured)
+    )(kv_lens, *paging, q_rows, k_cache, v_cache, *captured)
 
 
 def merge_splits(out_parts, lse_parts):
@@ -238,11 +261,17 @@ def choose_num_splits(batch: int, kv_heads: int, max_len: int, *, config: Decode
     return _cdiv(tiles, tiles_per_split)
 
 
-def _check_inputs(q, k_cache, v_cache):
+def _check_inputs(q, k_cache, v_cache, block_table=None):
+    """Shapes and dtypes; with ``block_table`` the caches are pages [num_pages, Hkv, page_size, D] and the
+    cache length is max_pages * page_size. Returns the block table as int32 (or None)."""
     shapes = f"q {jnp.shape(q)}, k_cache {jnp.shape(k_cache)}, v_cache {jnp.shape(v_cache)}"
     if not (jnp.ndim(q) == jnp.ndim(k_cache) == jnp.ndim(v_cache) == 4):
         raise ValueError(f"decode_attention_pallas: q, k_cache, v_cache must be 4-D [B, H, L, D], got {shapes}")
     (batch, q_heads, q_len, d), (bk, kv_heads, max_len, dk) = q.shape, k_cache.shape
+    if block_table is not None:
+        block_table = paged.check_block_table("decode_attention_pallas", block_table, k_cache, v_cache, batch)
+        bk, max_len = batch, block_table.shape[1] * k_cache.shape[2]
+        v_cache = jax.ShapeDtypeStruct((batch, kv_heads, max_len, v_cache.shape[3]), v_cache.dtype)
     if (bk, kv_heads, max_len) != v_cache.shape[:3] or bk != batch or dk != d or kv_heads == 0 \
             or q_heads % kv_heads or not 1 <= q_len <= max_len:
         raise ValueError(f"decode_attention_pallas: incompatible shapes {shapes} (need q [B, Hq, Lq, D], caches "
@@ -252,23 +281,28 @@ def _check_inputs(q, k_cache, v_cache):
                          f"float16, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype} ({shapes})")
     if max(d, v_cache.shape[-1]) > 256:
         raise ValueError(f"decode_attention_pallas: head dims up to 256 are supported, got {shapes}")
+    return block_table
 
 
-def decode_attention_pallas(q, k_cache, v_cache, *, kv_lens=None, scale=None, num_splits: int | None = None,
-                            score_mod=None, mask_mod=None, return_lse: bool = False, interpret: bool = False,
-                            config: DecodeConfig | None = None, device_kind: str | None = None):
+def decode_attention_pallas(q, k_cache, v_cache, *, kv_lens=None, block_table=None, scale=None,
+                            num_splits: int | None = None, score_mod=None, mask_mod=None, return_lse: bool = False,
+                            interpret: bool = False, config: DecodeConfig | None = None,
+                            device_kind: str | None = None):
     """Split-KV flash decoding, Pallas/Triton kernel.
 
     q: [B, Hq, Lq, D] (1 <= Lq <= 16 in the contract), k_cache: [B, Hkv, Lmax, D], v_cache:
     [B, Hkv, Lmax, Dv], kv_lens: int [B] valid cache lengths including the new tokens (default Lmax; cast
     to int32). New token i sits at position kv_lens - Lq + i and sees the cache up to itself; mods get that
-    position as q_idx. num_splits: None (chosen from B * Hkv, Lmax and the multiprocessor count) or any
+    position as q_idx. block_table: int [B, max_pages] for a paged cache (``flashlax.paged``): k_cache,
+    v_cache are then pages [num_pages, Hkv, page_size, D / Dv] and Lmax = max_pages * page_size; pages are
+    read in the kernel. num_splits: None (chosen from B * Hkv, Lmax and the multiprocessor count) or any
     positive int (splits past the cache are empty). Returns out [B, Hq, Lq, Dv] in q's dtype (and lse
     [B, Hq, Lq] float32, natural log). ``config``: a DecodeConfig (default: :func:`decode_config`).
     """
-    _check_inputs(q, k_cache, v_cache)
+    block_table = _check_inputs(q, k_cache, v_cache, block_table)
     batch, q_heads, q_len, d = q.shape
-    _, kv_heads, max_len, dv = v_cache.shape
+    dv = v_cache.shape[3]
+    max_len = v_cache.shape[2] if block_table is None else block_table.shape[1] * v_cache.shape[2]
     scale = float(d ** -0.5 if scale is None else scale)
     kv_lens = (jnp.full((batch,), max_len, jnp.int32) if kv_lens is None
                else jnp.asarray(kv_lens).astype(jnp.int32))
@@ -279,11 +313,13 @@ def decode_attention_pallas(q, k_cache, v_cache, *, kv_lens=None, scale=None, nu
         # A mod reads a captured array in a way the kernel cannot (a slice or a reduction, not a point
         # read): the XLA split-KV path computes the same result.
         from flashlax.fallbacks.decode import decode_attention_xla
+        if block_table is not None:
+            k_cache, v_cache = (paged.gather_pages(c, block_table) for c in (k_cache, v_cache))
         return decode_attention_xla(q, k_cache, v_cache, kv_lens=kv_lens, scale=scale, num_splits=num_splits,
                                     score_mod=score_mod, mask_mod=mask_mod, return_lse=return_lse)
     out, lse, splits = kernel_outputs(q, k_cache, v_cache, kv_lens, scale=scale, num_splits=num_splits,
                                       score_tm=score_tm, mask_tm=mask_tm, interpret=interpret, config=config,
-                                      device_kind=device_kind)
+                                      device_kind=device_kind, block_table=block_table)
     if splits > 1:
         out, lse = merge_splits(out, lse)
     out = out.astype(q.dtype).reshape(batch, q_heads, q_len, dv)
@@ -294,13 +330,18 @@ def decode_attention_pallas(q, k_cache, v_cache, *, kv_lens=None, scale=None, nu
 
 def kernel_outputs(q, k_cache, v_cache, kv_lens, *, scale: float, num_splits, score_tm: TileMod | None = None,
                    mask_tm: TileMod | None = None, interpret: bool = False, config: DecodeConfig | None = None,
-                   device_kind: str | None = None):
-    """The kernel's launch for validated inputs (kv_lens int32 [B], scale a float, mods as TileMods):
-    ``(out, lse, splits)``, with out [B, Hkv, G * Lq, Dv] in q's dtype and lse [B, Hkv, G * Lq] when
-    splits == 1, else the float32 partials [B, Hkv, splits, G * Lq, Dv] and [B, Hkv, splits, G * Lq] for
-    :func:`merge_splits`. Picks and checks the config and the split count."""
+                   device_kind: str | None = None, block_table=None):
+    """The kernel's launch for validated inputs (kv_lens int32 [B], scale a float, mods as TileMods,
+    block_table None or int32 [B, max_pages] with paged caches): ``(out, lse, splits)``, with out
+    [B, Hkv, G * Lq, Dv] in q's dtype and lse [B, Hkv, G * Lq] when splits == 1, else the float32 partials
+    [B, Hkv, splits, G * Lq, Dv] and [B, Hkv, splits, G * Lq] for :func:`merge_splits`. Picks and checks the
+    config and the split count."""
     batch, q_heads, q_len, d = q.shape
     _, kv_heads, max_len, dv = v_cache.shape
+    paging = {}
+    if block_table is not None:
+        paging = dict(page_size=max_len, num_pages=v_cache.shape[0], max_pages=block_table.shape[1])
+        max_len = block_table.shape[1] * max_len
     tile_reads = sum(tm.tile_reads for tm in (score_tm, mask_tm) if tm is not None)
     kind = device_kind
     if kind is None:
@@ -330,8 +371,8 @@ def kernel_outputs(q, k_cache, v_cache, kv_lens, *, scale: float, num_splits, sc
     splits = _cdiv(tiles, tiles_per_split)
     st = _Static(config=cfg, block_rows=block_rows, row_blocks=row_blocks, splits=splits,
                  tiles_per_split=tiles_per_split, scale=scale, score_mod=score_tm, mask_mod=mask_tm,
-                 interpret=bool(interpret))
+                 interpret=bool(interpret), **paging)
     captured = tuple(jnp.asarray(c) for tm in (score_tm, mask_tm) if tm is not None for c in tm.captured)
     n_score_cap = score_tm.num_captured if score_tm is not None else 0
-    out, lse = _decode_call(st, q, k_cache, v_cache, kv_lens, captured, n_score_cap)
+    out, lse = _decode_call(st, q, k_cache, v_cache, kv_lens, captured, n_score_cap, block_table)
     return out, lse, splits

@@ -17,6 +17,16 @@ Statistics are float32; p = exp2(s * scale * log2 e - m) is one FMA and one ex2;
 natural log for the backward. Fully masked rows give output 0 and lse -inf (see ``_tiles.softmax_update``).
 Head dims are padded to the next power of two inside the kernel (masked loads, masked stores) and
 sequence edges are masked, so any Lq, Lkv and head dims 16..256 work without padding in memory.
+
+Paged K/V (``block_table``, see ``flashlax.paged``): the K/V refs are the pool's pages of the program's KV
+head and the sequence's block-table row is an int32 ref; each KV tile is loaded from its page
+(``_tiles.kv_tile_view``), nothing is gathered in memory. ``kv_lens`` (per-sequence key counts) bounds the
+K/V loads, so rows past a sequence's end are never read. The backward of a paged call gathers the pages
+into contiguous K/V (XLA), runs the backward kernels and scatter-adds dK/dV into the pool (a page shared by
+several sequences gets the sum).
+
+``return_max``: a third output, the row maximum of the modded, masked scores (natural units, -inf for
+fully masked rows), from the online softmax's running max; it carries no gradient.
 """
 
 from __future__ import annotations
@@ -32,10 +42,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from flashlax import masks as masks_lib
+from flashlax import paged
 from flashlax.fallbacks.attention import broadcast_kv_batch, mask_extent
 from flashlax.kernels import _tiles
 from flashlax.kernels._tiles import LOG2E, TileMod, pow2
-from flashlax.kernels.configs import FlashConfig, check_config, flash_config, shrink_to_fit
+from flashlax.kernels.configs import (FlashConfig, check_config, flash_config, parse_kernel_options,
+                                     shrink_to_fit, smem_limit)
 
 _SUPPORTED_TILES = (16, 32, 64, 128, 256)
 
@@ -55,6 +67,12 @@ class _Static:
     reverse_q: bool
     pack: int = 1          # query heads per program: 1 (grid over Hq) or G (a KV group shares K/V loads)
     kv_sub: int = 1        # kernel KV tiles per block-mask KV tile (block_mask.block_kv // config.block_kv)
+    return_max: bool = False
+    page_size: int = 0     # > 0: paged K/V [num_pages, Hkv, page_size, D] read through the block table
+    num_pages: int = 0
+    max_pages: int = 0
+    has_kv_lens: bool = False
+    bwd_config: Any = None  # a BwdConfig from kernel_options, or None (the backward's default)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -66,11 +84,18 @@ def _fwd_kernel(*refs, st: _Static, n_cap: int, lq: int, lkv: int, d: int, dv: i
     bq, bkv = cfg.block_q, cfg.block_kv
     q_ref, k_ref, v_ref = refs[:3]
     pos = 3
+    pages = kv_limit = None
+    if st.page_size:
+        pages = _tiles.Pages(refs[pos], st.page_size, st.num_pages, st.max_pages)
+        pos += 1
+    if st.has_kv_lens:
+        kv_limit = jnp.clip(refs[pos][0], 0, lkv)       # this sequence's keys: loads stop there
+        pos += 1
     if st.has_block_mask:
-        kv_num_ref, kv_idx_ref, full_num_ref, full_idx_ref, full_first_ref, full_run_ref = refs[3:9]
-        pos = 9
+        kv_num_ref, kv_idx_ref, full_num_ref, full_idx_ref, full_first_ref, full_run_ref = refs[pos:pos + 6]
+        pos += 6
     cap_refs = refs[pos:pos + n_cap]
-    o_ref, lse_ref = refs[pos + n_cap:]
+    o_ref, lse_ref, *max_ref = refs[pos + n_cap:]
     score_caps, mask_caps = cap_refs[:st.n_score_cap], cap_refs[st.n_score_cap:]
 
     gp = st.pack                          # query heads per program (1: one head, G: a whole KV group)
@@ -109,8 +134,9 @@ def _fwd_kernel(*refs, st: _Static, n_cap: int, lq: int, lkv: int, d: int, dv: i
     def visit(kv_tile, carry, masked: bool):
         m_prev, l_prev, acc_prev = carry
         kv_start = pl.multiple_of(kv_tile * bkv, bkv)
-        k = _tiles.load_tile(k_ref, kv_start, bkv, lkv, dp, d, aligned=kv_aligned)
-        v = _tiles.load_tile(v_ref, kv_start, bkv, lkv, dvp, dv, aligned=kv_aligned)
+        n_rows, aligned = (lkv, kv_aligned) if kv_limit is None else (kv_limit, False)
+        k = _tiles.load_tile(k_ref, kv_start, bkv, n_rows, dp, d, aligned=aligned, pages=pages)
+        v = _tiles.load_tile(v_ref, kv_start, bkv, n_rows, dvp, dv, aligned=aligned, pages=pages)
         qk = _tiles.dot_nt(q, k, precision)
         kv_idx = kv_start + lax.broadcasted_iota(jnp.int32, (1, bkv), 1)
         # s: scores in units that `mult` turns into base-2 exponents (raw q.k when scale > 0).
@@ -152,14 +178,18 @@ def _fwd_kernel(*refs, st: _Static, n_cap: int, lq: int, lkv: int, d: int, dv: i
 
     m, l, acc = carry
     out, lse = _tiles.softmax_finalize(acc, m, l, mult)
+    # The running max is in the units `mult` turns into base-2 exponents: natural scores are m * mult * ln 2.
+    rows = [(lse_ref, lse)] + [(r, m * (mult * _tiles.LN2)) for r in max_ref]
     if gp == 1:
         _tiles.store_tile(o_ref, q_start, out, lq, dv, aligned=True)
-        _tiles.store_vec(lse_ref, q_start, lse, lq)
+        for ref, val in rows:
+            _tiles.store_vec(ref, q_start, val, lq)
     else:
         plgpu.store(o_ref.at[:, _tiles.ds(q_start, bqh), _tiles.ds(0, dvp)], out.reshape(gp, bqh, dvp).astype(o_ref.dtype),
                     mask=_mask3(gp, q_start, bqh, lq, dvp, dv))
         rows_ok = jnp.broadcast_to(_tiles.row_mask(q_start, bqh, lq)[None, :], (gp, bqh))
-        plgpu.store(lse_ref.at[:, _tiles.ds(q_start, bqh)], lse.reshape(gp, bqh), mask=rows_ok)
+        for ref, val in rows:
+            plgpu.store(ref.at[:, _tiles.ds(q_start, bqh)], val.reshape(gp, bqh), mask=rows_ok)
 
 
 def _mask3(gp, start, rows, n_rows, cols, n_cols):
@@ -168,10 +198,15 @@ def _mask3(gp, start, rows, n_rows, cols, n_cols):
     return jnp.broadcast_to(ok, (gp, rows, cols))
 
 
-def _forward_call(st: _Static, q, k, v, bm: masks_lib.BlockMask | None, captured):
-    """pallas_call of the forward. Returns (out [B, Hq, Lq, Dv] q.dtype, lse [B, Hq, Lq] float32)."""
+def _forward_call(st: _Static, q, k, v, bm: masks_lib.BlockMask | None, captured, paging=(None, None)):
+    """pallas_call of the forward. Returns (out [B, Hq, Lq, Dv] q.dtype, lse [B, Hq, Lq] float32), and the
+    row maximum [B, Hq, Lq] float32 with ``st.return_max``. ``paging``: (block_table int32 [B, max_pages] or
+    None, kv_lens int32 [B] or None); with a block table, k and v are pages [num_pages, Hkv, page_size, D]."""
+    block_table, kv_lens = paging
     bsz, hq, lq, d = q.shape
     _, hkv, lkv, dv = v.shape
+    if block_table is not None:
+        lkv = st.max_pages * st.page_size
     groups = hq // hkv
     cfg = st.config
     gp = st.pack
@@ -185,12 +220,19 @@ def _forward_call(st: _Static, q, k, v, bm: masks_lib.BlockMask | None, captured
         # index maps are written for grid (h, i, b); cfg.q_major launches (i, h, b)
         return pl.BlockSpec(block, (lambda i, h, b: index_map(h, i, b)) if cfg.q_major else index_map)
 
-    in_specs = [
-        _spec((None, qh, lq, dp), lambda h, i, b: (b, h, 0, 0)),
-        _spec((None, None, lkv, dp), lambda h, i, b: (b, kv_head(h), 0, 0)),
-        _spec((None, None, lkv, dvp), lambda h, i, b: (b, kv_head(h), 0, 0)),
-    ]
+    if block_table is None:
+        kv_spec = lambda cols: _spec((None, None, lkv, cols), lambda h, i, b: (b, kv_head(h), 0, 0))  # noqa: E731
+    else:   # the whole pool of the program's KV head; pages are looked up in the kernel
+        kv_spec = lambda cols: _spec((st.num_pages, None, st.page_size, cols),  # noqa: E731
+                                     lambda h, i, b: (0, kv_head(h), 0, 0))
+    in_specs = [_spec((None, qh, lq, dp), lambda h, i, b: (b, h, 0, 0)), kv_spec(dp), kv_spec(dvp)]
     args = [q, k, v]
+    if block_table is not None:
+        in_specs.append(_spec((None, st.max_pages), lambda h, i, b: (b, 0)))
+        args.append(block_table)
+    if kv_lens is not None:
+        in_specs.append(_spec((1,), lambda h, i, b: (b,)))
+        args.append(kv_lens)
     if st.has_block_mask:
         bm_dep, hm_dep = bm.kv_num_blocks.shape[0] > 1, bm.kv_num_blocks.shape[1] > 1
         sel_b = (lambda b: b) if bm_dep else (lambda b: 0)
@@ -205,19 +247,20 @@ def _forward_call(st: _Static, q, k, v, bm: masks_lib.BlockMask | None, captured
     args += list(captured)
 
     kernel = functools.partial(_fwd_kernel, st=st, n_cap=len(captured), lq=lq, lkv=lkv, d=d, dv=dv, nq=nq, nkv=nkv)
-    out, lse = pl.pallas_call(
+    n_rows_out = 2 if st.return_max else 1           # lse, and the row max
+    outs = pl.pallas_call(
         kernel,
         grid=(nq, hq // gp, bsz) if cfg.q_major else (hq // gp, nq, bsz),
         in_specs=in_specs,
-        out_specs=[_spec((None, qh, lq, dvp), lambda h, i, b: (b, h, 0, 0)),
-                   _spec((None, qh, lq), lambda h, i, b: (b, h, 0))],
-        out_shape=[jax.ShapeDtypeStruct((bsz, hq, lq, dv), q.dtype),
-                   jax.ShapeDtypeStruct((bsz, hq, lq), jnp.float32)],
+        out_specs=[_spec((None, qh, lq, dvp), lambda h, i, b: (b, h, 0, 0))]
+        + [_spec((None, qh, lq), lambda h, i, b: (b, h, 0))] * n_rows_out,
+        out_shape=[jax.ShapeDtypeStruct((bsz, hq, lq, dv), q.dtype)]
+        + [jax.ShapeDtypeStruct((bsz, hq, lq), jnp.float32)] * n_rows_out,
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=st.interpret,
         name="flex_attention_fwd",
     )(*args)
-    return out, lse
+    return tuple(outs)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -225,26 +268,39 @@ def _forward_call(st: _Static, q, k, v, bm: masks_lib.BlockMask | None, captured
 # ----------------------------------------------------------------------------------------------------
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(st: _Static, q, k, v, bm, captured):
-    return _forward_call(st, q, k, v, bm, captured)
+def _flash(st: _Static, q, k, v, bm, captured, paging):
+    return _forward_call(st, q, k, v, bm, captured, paging)
 
 
-def _flash_fwd(st, q, k, v, bm, captured):
-    out, lse = _forward_call(st, q, k, v, bm, captured)
-    return (out, lse), (q, k, v, bm, captured, out, lse)
+def _flash_fwd(st, q, k, v, bm, captured, paging):
+    outs = _forward_call(st, q, k, v, bm, captured, paging)
+    return outs, (q, k, v, bm, captured, paging, outs[0], outs[1])
 
 
 def _flash_bwd(st, res, cts):
-    q, k, v, bm, captured, out, lse = res
-    dout, dlse = cts
+    q, k_in, v_in, bm, captured, paging, out, lse = res
+    dout, dlse = cts[:2]                       # the row maximum (cts[2]) carries no gradient
+    block_table, kv_lens = paging
+    k, v, pages_vjp = k_in, v_in, None
+    if block_table is not None:
+        # Paged K/V: the backward kernels take contiguous K/V, so the pages are gathered here (rows past
+        # kv_lens zeroed: whatever they hold cannot reach dQ) and dK/dV go back to the pool by the gather's
+        # transpose, a scatter-add (shared pages sum the gradients of their sequences).
+        def contiguous(kp, vp):
+            kc, vc = paged.gather_pages(kp, block_table), paged.gather_pages(vp, block_table)
+            return (kc, vc) if kv_lens is None else (paged.zero_past(kc, kv_lens), paged.zero_past(vc, kv_lens))
+
+        (k, v), pages_vjp = jax.vjp(contiguous, k_in, v_in)
     if st.return_lse or _kernel_bwd() is None:
         # lse cotangents (or no backward kernel module): vjp of the blockwise XLA path, which returns
         # the same (out, lse) and differentiates through lse as well.
         dq, dk, dv, dcap = _xla_vjp(st, q, k, v, bm, captured, dout, dlse)
     else:
         dq, dk, dv, dcap = _kernel_vjp(st, q, k, v, bm, captured, out, lse, dout)
+    if pages_vjp is not None:
+        dk, dv = pages_vjp((dk, dv))
     dcap = tuple(None if not _is_float(c) else g for c, g in zip(captured, dcap))
-    return dq, dk, dv, None, dcap
+    return dq, dk, dv, None, dcap, (None, None)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -276,7 +332,7 @@ def _kernel_vjp(st, q, k, v, bm, captured, out, lse, dout):
     # bm None (no mask): the backward runs its dense loops (static trip counts, no index arrays).
     caps = {"score": tuple(captured[:st.n_score_cap]), "mask": tuple(captured[st.n_score_cap:])}
     dq, dk, dv, dcap = _kernel_bwd()(q, k, v, out, lse, dout, block_mask=bm, score_mod=score,
-                                     mask_mod=mask, captured=caps, scale=st.scale, config=None,
+                                     mask_mod=mask, captured=caps, scale=st.scale, config=st.bwd_config,
                                      interpret=st.interpret)
     return dq, dk, dv, tuple(dcap["score"]) + tuple(dcap["mask"])
 
@@ -324,13 +380,15 @@ def _check_inputs(q, k, v):
         raise ValueError(f"flex_attention_pallas: head dims must be 1..256, got q {q.shape}, v {v.shape}")
 
 
-def _resolve_block_mask(block_mask, mask_mod, cfg: FlashConfig, pack: int, bsz, hq, lq, lkv, fits: Callable):
+def _resolve_block_mask(block_mask, mask_mod, cfg: FlashConfig, pack: int, bsz, hq, lq, lkv, fits: Callable,
+                        fixed_tiles: bool = False):
     """Returns (block_mask or None, config, kv_sub): a block mask whose query tiles are the kernel's
     (block_q // pack rows per head) and whose KV tiles each span ``kv_sub`` kernel KV tiles.
 
     A block mask's KV tiles may be a multiple of the kernel's (the H200 D128 forward steps 64 keys inside
     the default 128-key mask tiles); a mask built here uses KV tiles of at least 128 keys (create_block_mask's
-    default, which the backward's tiles are tuned for), fewer only for short sequences."""
+    default, which the backward's tiles are tuned for), fewer only for short sequences. ``fixed_tiles``:
+    the config's tiles were chosen by the caller (kernel_options) and a block mask must fit them."""
     def build(b_dim, h_dim):
         mask_kv = max(cfg.block_kv, min(masks_lib.DEFAULT_BLOCK, pow2(lkv)))
         bm = masks_lib.create_block_mask(mask_mod, b_dim, h_dim, lq, lkv, block_q=cfg.block_q // pack,
@@ -343,34 +401,91 @@ def _resolve_block_mask(block_mask, mask_mod, cfg: FlashConfig, pack: int, bsz, 
         return build(*mask_extent(mask_mod, bsz, hq))
     bm_b, bm_h, bm_q, bm_kv = block_mask.shape
     tiles = (block_mask.block_q, block_mask.block_kv)
-    if tiles[0] * pack in _SUPPORTED_TILES and tiles[1] in _SUPPORTED_TILES:
+    if fixed_tiles:
+        if tiles[0] * pack == cfg.block_q and tiles[1] % cfg.block_kv == 0:
+            return block_mask, cfg, tiles[1] // cfg.block_kv
+    elif tiles[0] * pack in _SUPPORTED_TILES and tiles[1] in _SUPPORTED_TILES:
         kv = cfg.block_kv if tiles[1] % cfg.block_kv == 0 else tiles[1]
         tuned = dataclasses.replace(cfg, block_q=tiles[0] * pack, block_kv=kv)
         if fits(tuned):
             return block_mask, tuned, tiles[1] // kv
     if mask_mod is None:
         raise ValueError(f"flex_attention_pallas: block_mask tiles {tiles} are not a supported kernel tile "
-                         f"(powers of two 16..256 within the shared-memory budget) and there is no mask_mod "
-                         f"to rebuild it with tiles ({cfg.block_q // pack}, {cfg.block_kv})")
+                         f"(powers of two 16..256 within the shared-memory budget{', or the kernel_options tiles' if fixed_tiles else ''}) "
+                         f"and there is no mask_mod to rebuild it with tiles ({cfg.block_q // pack}, {cfg.block_kv})")
     return build(bsz if bm_b > 1 else None, hq if bm_h > 1 else None)
 
 
+def _kernel_config(d, dv, dtype, kind, lkv, lq, groups, dense: bool, tile_reads: int, config, options):
+    """The forward config: ``config`` as given, else the device's default (shrunk to fit, tiles clipped to
+    tiny inputs) with ``options`` (parsed kernel_options) applied on top and checked against the device's
+    shared memory (ValueError naming kernel_options)."""
+    if config is not None:
+        check_config(config, d, dv, dtype, kind, tile_reads=tile_reads)
+        return config
+    cfg = shrink_to_fit(flash_config(d, dv, dtype, kind, lkv if dense else None), d, dv, dtype, kind, tile_reads)
+    # Do not launch tiles far longer than the sequence (tiny inputs).
+    rows = max(16, pow2(lq) * (groups if cfg.pack_gqa else 1))
+    cfg = dataclasses.replace(cfg, block_q=min(cfg.block_q, rows), block_kv=min(cfg.block_kv, max(16, pow2(lkv))))
+    if options.fwd:
+        cfg = dataclasses.replace(cfg, **options.fwd)
+        try:
+            check_config(cfg, d, dv, dtype, kind, tile_reads=tile_reads)
+        except ValueError as err:
+            raise ValueError(f"flex_attention: kernel_options {options.fwd} do not fit this device: {err}") from None
+    return cfg
+
+
+def _bwd_config(d, dv, dtype, kind, dense: bool, options):
+    """A BwdConfig from kernel_options (None: the backward's own default), checked against shared memory."""
+    if not options.bwd:
+        return None
+    from flashlax.kernels.flash_attention_bwd import default_bwd_config
+
+    bwd = dataclasses.replace(default_bwd_config(d, dv, dtype, kind, dense=dense), **options.bwd)
+    try:
+        bwd.check_smem(d, dv, jnp.dtype(dtype).itemsize, smem_limit(kind))
+    except ValueError as err:
+        raise ValueError(f"flex_attention: kernel_options {options.bwd} (backward) do not fit this device: "
+                         f"{err}") from None
+    return bwd
+
+
 def flex_attention_pallas(q, k, v, *, score_mod=None, mask_mod=None, block_mask=None, scale=None,
-                          return_lse=False, interpret=False, config: FlashConfig | None = None,
+                          return_lse=False, return_max=False, block_table=None, kv_lens=None,
+                          interpret=False, kernel_options=None, config: FlashConfig | None = None,
                           device_kind: str | None = None):
     """Flash attention with flex mods, Pallas/Triton kernel.
 
     q: [B, Hq, Lq, D], k: [B, Hkv, Lkv, D], v: [B, Hkv, Lkv, Dv], Hq % Hkv == 0 (query head h reads KV
     head h // (Hq // Hkv)). score_mod(score, b, h, q_idx, kv_idx), mask_mod(b, h, q_idx, kv_idx);
     block_mask: a BlockMask (its tiles become the kernel's tiles when supported, else it is rebuilt from
-    the mask_mod) or None. Returns out [B, Hq, Lq, Dv] in q's dtype, or (out, lse [B, Hq, Lq] float32).
-    ``config``: a FlashConfig (default: :func:`flash_config` for the device kind, head dims and dtype).
-    Differentiable in q, k, v and float arrays captured by the mods.
+    the mask_mod) or None. Returns out [B, Hq, Lq, Dv] in q's dtype, or (out, lse [B, Hq, Lq] float32), or
+    with ``return_max`` (out, lse, row max of the scores [B, Hq, Lq] float32, no gradient).
+    block_table: int [B, max_pages] for paged K/V (k, v are then pages [num_pages, Hkv, page_size, D];
+    Lkv = max_pages * page_size; ``flashlax.paged``). kv_lens: int [B] or None; K/V rows at or past
+    kv_lens[b] are never loaded (the mask that hides them is the caller's mask_mod).
+    ``kernel_options``: PyTorch FlexAttention's names for the config (configs.KERNEL_OPTIONS), applied on top
+    of the default config; ``config``: a whole FlashConfig instead (default: :func:`flash_config` for the
+    device kind, head dims and dtype). Differentiable in q, k (or its pages), v and float arrays captured
+    by the mods.
     """
-    k, v = broadcast_kv_batch(q, k, v)    # K/V of batch 1 (FlexAttention broadcasts them)
-    _check_inputs(q, k, v)
+    options = parse_kernel_options(kernel_options)
+    if block_table is None:
+        k, v = broadcast_kv_batch(q, k, v)    # K/V of batch 1 (FlexAttention broadcasts them)
+        _check_inputs(q, k, v)
+        lkv = k.shape[2]
+        paging = {}
+    else:
+        block_table = paged.check_block_table("flex_attention_pallas", block_table, k, v, q.shape[0], kv_lens)
+        lkv = block_table.shape[1] * k.shape[2]
+        logical = lambda x: jax.ShapeDtypeStruct((q.shape[0], x.shape[1], lkv, x.shape[3]), x.dtype)  # noqa: E731
+        _check_inputs(q, logical(k), logical(v))
+        paging = dict(page_size=k.shape[2], num_pages=k.shape[0], max_pages=block_table.shape[1])
     bsz, hq, lq, d = q.shape
-    lkv, dv = k.shape[2], v.shape[-1]
+    dv = v.shape[-1]
+    if kv_lens is not None:
+        kv_lens = jnp.clip(jnp.asarray(kv_lens), 0, lkv).astype(jnp.int32)
     scale = float(d ** -0.5 if scale is None else scale)
     if mask_mod is None and block_mask is not None:
         mask_mod = block_mask.mask_mod
@@ -382,23 +497,19 @@ def flex_attention_pallas(q, k, v, *, score_mod=None, mask_mod=None, block_mask=
         # A mod reads its captured arrays in a way the kernel cannot (a slice or reduction, not a point
         # read): run the blockwise XLA path instead (same results, memory linear in length).
         from flashlax.fallbacks.attention import flex_attention_xla
+        if block_table is not None:
+            k, v = (paged.gather_pages(x, block_table) for x in (k, v))
+        if kv_lens is not None:
+            k, v = (paged.zero_past(x, kv_lens) for x in (k, v))
         return flex_attention_xla(q, k, v, score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask,
-                                  scale=scale, return_lse=return_lse)
+                                  scale=scale, return_lse=return_lse, return_max=return_max)
     tile_reads = sum(tm.tile_reads for tm in (score_tm, mask_tm) if tm is not None)
     kind = device_kind
     if kind is None:
         kind = jax.devices()[0].device_kind if not interpret else "cpu-interpret"
-    if config is None:
-        dense_kv_len = lkv if block_mask is None and mask_mod is None else None
-        cfg = shrink_to_fit(flash_config(d, dv, q.dtype, kind, dense_kv_len), d, dv, q.dtype, kind, tile_reads)
-        # Do not launch tiles far longer than the sequence (tiny inputs).
-        groups = hq // k.shape[1]
-        rows = max(16, pow2(lq) * (groups if cfg.pack_gqa else 1))
-        cfg = dataclasses.replace(cfg, block_q=min(cfg.block_q, rows),
-                                  block_kv=min(cfg.block_kv, max(16, pow2(lkv))))
-    else:
-        cfg = config
-        check_config(cfg, d, dv, q.dtype, kind, tile_reads=tile_reads)
+    groups = hq // k.shape[1]
+    dense = block_mask is None and mask_mod is None
+    cfg = _kernel_config(d, dv, q.dtype, kind, lkv, lq, groups, dense, tile_reads, config, options)
 
     def fits(c):
         try:
@@ -414,14 +525,14 @@ def flex_attention_pallas(q, k, v, *, score_mod=None, mask_mod=None, block_mask=
         bm_b, bm_h, bm_q, bm_kv = block_mask.shape
         if bm_q != lq or bm_kv != lkv or bm_b not in (1, bsz) or bm_h not in (1, hq):
             raise ValueError(f"flex_attention_pallas: block_mask of shape {block_mask.shape} does not fit "
-                             f"q {q.shape}, k {k.shape} (needs (1 or B, 1 or Hq, Lq, Lkv))")
+                             f"q {q.shape}, k {k.shape} (needs (1 or B, 1 or Hq, Lq, Lkv={lkv}))")
         head_dep = bm_h > 1
     else:
         head_dep = mask_mod is not None and mask_extent(mask_mod, bsz, hq)[1] is not None
-    groups = hq // k.shape[1]
     pack = groups if (cfg.pack_gqa and groups > 1 and groups & (groups - 1) == 0
                       and cfg.block_q // groups >= 16 and not head_dep) else 1
-    bm, cfg, kv_sub = _resolve_block_mask(block_mask, mask_mod, cfg, pack, bsz, hq, lq, lkv, fits)
+    bm, cfg, kv_sub = _resolve_block_mask(block_mask, mask_mod, cfg, pack, bsz, hq, lq, lkv, fits,
+                                          fixed_tiles=config is None and options.fixed_tiles)
     if bm is None:
         mask_tm = None          # no block mask means no mask: every tile is full
     captured = tuple(jnp.asarray(c) for c in (score_tm.captured if score_tm else ())) + \
@@ -429,6 +540,10 @@ def flex_attention_pallas(q, k, v, *, score_mod=None, mask_mod=None, block_mask=
     st = _Static(config=cfg, scale=scale, score_mod=score_tm, mask_mod=mask_tm,
                  n_score_cap=score_tm.num_captured if score_tm else 0, has_block_mask=bm is not None,
                  return_lse=bool(return_lse), interpret=bool(interpret),
-                 reverse_q=bm is not None, pack=pack, kv_sub=kv_sub)
-    out, lse = _flash(st, q, k, v, bm, captured)
-    return (out, lse) if return_lse else out
+                 reverse_q=bm is not None, pack=pack, kv_sub=kv_sub, return_max=bool(return_max),
+                 has_kv_lens=kv_lens is not None, bwd_config=_bwd_config(d, dv, q.dtype, kind, bm is None, options),
+                 **paging)
+    outs = _flash(st, q, k, v, bm, captured, (block_table, kv_lens))
+    if return_max:
+        return outs[0], outs[1], lax.stop_gradient(outs[2])
+    return (outs[0], outs[1]) if return_lse else outs[0]
