@@ -1,4 +1,4 @@
-"""Helpers shared by the GPU check-and-time scripts (gpu_flash.py, gpu_flash_bwd.py)."""
+"""Helpers shared by the GPU check-and-time scripts (gpu_flash.py, gpu_flash_bwd.py, gpu_decode.py, gpu_paged.py)."""
 
 from __future__ import annotations
 
@@ -50,3 +50,26 @@ def bench(f, *a, target_ms=60.0, reps=7, min_iters=3):
         jax.block_until_ready(out)
         times.append((time.perf_counter() - t) / iters * 1e3)
     return statistics.median(times), compile_s
+
+
+def timed(fn, arg_sets, *, calls: int, reps: int, singles: int, sync=jax.block_until_ready):
+    """(throughput ms per call, latency ms): THROUGHPUT = ``calls`` calls queued back to back rotating through
+    ``arg_sets`` (input copies, so one pass is larger than L2), one sync, ms per call, median of ``reps``
+    samples; LATENCY = median of ``singles`` single synchronised calls. Compiles/warms up first."""
+    for args in arg_sets:
+        sync(fn(*args))
+    thr = []
+    for _ in range(reps):
+        sync(fn(*arg_sets[-1]))
+        start = time.perf_counter()
+        out = None
+        for i in range(calls):
+            out = fn(*arg_sets[i % len(arg_sets)])
+        sync(out)
+        thr.append((time.perf_counter() - start) * 1e3 / calls)
+    lat = []
+    for i in range(singles):
+        start = time.perf_counter()
+        sync(fn(*arg_sets[i % len(arg_sets)]))
+        lat.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(thr), statistics.median(lat)

@@ -21,7 +21,6 @@ import dataclasses
 import json
 import math
 import os
-import statistics
 import sys
 import time
 
@@ -31,7 +30,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from _gpu_common import log, rel, rnd  # noqa: E402 (scripts/ is on sys.path)
+from _gpu_common import log, rel, rnd, timed  # noqa: E402 (scripts/ is on sys.path)
 from flashlax.kernels.configs import DecodeConfig, decode_config  # noqa: E402
 from flashlax.kernels.decode import (choose_num_splits, decode_attention_pallas, kernel_outputs,  # noqa: E402
                                     merge_splits)
@@ -107,27 +106,6 @@ def pallas_merge(parts, lse, out_dtype, block_d: int | None = None):
         out_shape=jax.ShapeDtypeStruct((batch, heads, rows, dv), out_dtype),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=jax.default_backend() == "cpu", name="decode_merge")(parts, lse)
-
-
-def timed(fn, arg_sets, *, calls: int, reps: int, singles: int, sync=jax.block_until_ready):
-    """(throughput ms per call, latency ms): see the module docstring. Compiles/warms up first."""
-    for args in arg_sets:
-        sync(fn(*args))
-    thr = []
-    for _ in range(reps):
-        sync(fn(*arg_sets[-1]))
-        start = time.perf_counter()
-        out = None
-        for i in range(calls):
-            out = fn(*arg_sets[i % len(arg_sets)])
-        sync(out)
-        thr.append((time.perf_counter() - start) * 1e3 / calls)
-    lat = []
-    for i in range(singles):
-        start = time.perf_counter()
-        sync(fn(*arg_sets[i % len(arg_sets)]))
-        lat.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(thr), statistics.median(lat)
 
 
 def dense_mask(lq: int, lkv: int):
