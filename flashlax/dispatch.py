@@ -54,7 +54,7 @@ TABLE: dict[str, dict[str, Impl]] = {
         "chunked": Impl("chunked", "xla", f"{_F}.linear:gated_delta_rule_chunked",
                         options=(("cpu", "sequential_heads", True),)),
         "chunked_fat": Impl("chunked_fat", "xla", f"{_F}.linear:gated_delta_rule_chunked_fat"),
-        "ssd": Impl("ssd", "pallas", None, "Pallas SSD kernel: not written yet; GPU default is chunked"),
+        "ssd": Impl("ssd", "pallas", f"{_K}.ssd:gated_delta_rule_ssd"),
     },
 }
 
