@@ -7,6 +7,9 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 
+# The contract: no implicit rank promotion anywhere (explicit reshapes and broadcasts only).
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
 # Profiles: "ci" (few examples, for the 2-core CI machine), "dev" (default), "thorough".
 _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
                print_blob=True)

@@ -105,6 +105,12 @@ def iota(shape, dim):
     return lax.broadcasted_iota(jnp.int32, shape, dim)
 
 
+def ds(start, size: int):
+    """pl.ds with an int32 start (Python ints would become int64 under jax_enable_x64 and mix with the
+    int32 program ids in the interpreter's dynamic slices)."""
+    return pl.ds(jnp.int32(start) if isinstance(start, int) else start, size)
+
+
 def tri(n: int, op: str):
     """bool [n, n] ``row op col`` (op: ge, gt, le, lt)."""
     row, col = iota((n, n), 0), iota((n, n), 1)
@@ -121,7 +127,7 @@ def load(ref, row0, rows: int, col0, cols: int, st: Static, n_cols: int | None =
     if n_cols is not None:
         ok = (col0 + iota((rows, cols), 1)) < n_cols
         mask = ok if mask is None else mask & ok
-    view = ref.at[pl.ds(row0, rows), pl.ds(col0, cols)]
+    view = ref.at[ds(row0, rows), ds(col0, cols)]
     return plgpu.load(view) if mask is None else plgpu.load(view, mask=mask, other=0.0)
 
 
@@ -133,12 +139,12 @@ def store(ref, row0, col0, val, st: Static, n_cols: int | None = None):
     if n_cols is not None:
         ok = (col0 + iota((rows, cols), 1)) < n_cols
         mask = ok if mask is None else mask & ok
-    plgpu.store(ref.at[pl.ds(row0, rows), pl.ds(col0, cols)], val.astype(ref.dtype), mask=mask)
+    plgpu.store(ref.at[ds(row0, rows), ds(col0, cols)], val.astype(ref.dtype), mask=mask)
 
 
 def load_vec(ref, row0, rows: int, st: Static):
     """[rows] float32 of a [T] ref; 0 past the end (log_alpha 0: no decay; beta 0: no update)."""
-    view = ref.at[pl.ds(row0, rows)]
+    view = ref.at[ds(row0, rows)]
     if not st.ragged:
         return plgpu.load(view).astype(F32)
     return plgpu.load(view, mask=(row0 + iota((rows,), 0)) < st.seq_len, other=0.0).astype(F32)
@@ -146,7 +152,7 @@ def load_vec(ref, row0, rows: int, st: Static):
 
 def store_vec(ref, row0, val, st: Static):
     mask = ((row0 + iota(val.shape, 0)) < st.seq_len) if st.ragged else None
-    plgpu.store(ref.at[pl.ds(row0, val.shape[0])], val.astype(ref.dtype), mask=mask)
+    plgpu.store(ref.at[ds(row0, val.shape[0])], val.astype(ref.dtype), mask=mask)
 
 
 def dot(a, b, st: Static, ta: bool = False, tb: bool = False):
@@ -348,7 +354,7 @@ def chunk_vectors(la, st: Static):
 def state_block(ref, row0, col0, st: Static, bv: int):
     """[dk, bv] of a per-(batch, head) [dk, dv] state ref (user arrays: masked to dk, dv)."""
     mask = ((iota((st.dkp, bv), 0) < st.dk) & (col0 + iota((st.dkp, bv), 1) < st.dv))
-    return plgpu.load(ref.at[pl.ds(row0, st.dkp), pl.ds(col0, bv)], mask=mask, other=0.0).astype(F32)
+    return plgpu.load(ref.at[ds(row0, st.dkp), ds(col0, bv)], mask=mask, other=0.0).astype(F32)
 
 
 def store_state(ref, row0, col0, val, st: Static, user: bool):
@@ -356,7 +362,7 @@ def store_state(ref, row0, col0, val, st: Static, user: bool):
     if user:
         shape = val.shape
         mask = (iota(shape, 0) < st.dk) & (col0 + iota(shape, 1) < st.dv)
-    plgpu.store(ref.at[pl.ds(row0, val.shape[0]), pl.ds(col0, val.shape[1])], val.astype(ref.dtype), mask=mask)
+    plgpu.store(ref.at[ds(row0, val.shape[0]), ds(col0, val.shape[1])], val.astype(ref.dtype), mask=mask)
 
 
 def _state_kernel(*refs, st: Static, emit_delta: bool):
@@ -424,7 +430,7 @@ def _output_kernel(*refs, st: Static, transpose: bool):
             for j in range(nb):
                 store(out_ref, rows[j], c0, _sum(dot(p[i, j], x[i], st, ta=True) for i in range(j, nb)), st)
         else:
-            h = mm(plgpu.load(h_ref.at[pl.ds(h_row, st.dkp), pl.ds(c0, bv)]), st)
+            h = mm(plgpu.load(h_ref.at[ds(h_row, st.dkp), ds(c0, bv)]), st)
             for i in range(nb):
                 o = _sum(dot(p[i, j], x[j], st) for j in range(i + 1)) + dot(q_g[i], h, st)
                 store(out_ref, rows[i], c0, o, st, _cols(st.dv, st.dvp))

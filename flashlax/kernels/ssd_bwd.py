@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from flashlax.kernels import ssd
-from flashlax.kernels.ssd import (F32, UT_BLOCK, Decays, Static, _cols, _sum, call, chunk_rows, chunk_vectors,
+from flashlax.kernels.ssd import (F32, UT_BLOCK, Decays, Static, _cols, _sum, call, chunk_rows, chunk_vectors, ds,
                                   dot, load, load_vec, mat_spec, mm, seq_spec, state_block, store, store_state,
                                   store_vec, ut_blocks, vec_spec)
 
@@ -88,8 +88,8 @@ def _dqk_kernel(*refs, st: Static):
     h_row = pl.program_id(0) * st.dkp
     bv = st.block_v()
     for c0 in range(0, st.dvp, bv):
-        h = plgpu.load(h_ref.at[pl.ds(h_row, st.dkp), pl.ds(c0, bv)])
-        dh = plgpu.load(dh_ref.at[pl.ds(h_row, st.dkp), pl.ds(c0, bv)])
+        h = plgpu.load(h_ref.at[ds(h_row, st.dkp), ds(c0, bv)])
+        dh = plgpu.load(dh_ref.at[ds(h_row, st.dkp), ds(c0, bv)])
         d_decay = d_decay + jnp.sum(h.astype(F32) * dh)
         h, dh = mm(h, st), mm(dh, st)
         do = [load(do_ref, r, sb, c0, bv, st, vcols) for r in rows]
