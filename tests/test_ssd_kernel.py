@@ -5,6 +5,7 @@ Interpreted cases are few and small: each distinct shape compiles the interprete
 the 2-core CI box); the larger sweep is marked ``slow``.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -84,6 +85,15 @@ def test_matches_float64_reference(seq_len, dk, dv, chunk, with_beta, with_state
     # chunk 128 is capped to 64 by the CPU/RTX 3090 configs: run it with the H200's (max_chunk 128)
     fn = ssd(chunk, scale=dk ** -0.5, device_kind="NVIDIA H200") if chunk == 128 else ssd(chunk)
     assert_close(errors(fn, inputs, seed=seq_len), TOLERANCES["float32"])
+
+
+@pytest.mark.parametrize("with_beta", [True, False])
+def test_transition_form(with_beta):
+    """The other form of the sequential passes (S <- M_n S + H_n, adjoint <- M_n^T adj + R_n, D and dD formed
+    in the parallel kernels), with 32-row sub-blocks in the output and gradient kernels."""
+    inputs = make_inputs(9, 1, 2, 77, 8, 24, with_beta=with_beta, with_state=with_beta)
+    cfg = dataclasses.replace(ssd_config(8, 24, jnp.float32, "cpu"), transition=True, block=32)
+    assert_close(errors(ssd(32, scale=8 ** -0.5, config=cfg), inputs, seed=9), TOLERANCES["float32"])
 
 
 @pytest.mark.parametrize("case", ["log_alpha=-1e4", "log_alpha=0", "resets"])

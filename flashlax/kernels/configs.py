@@ -216,6 +216,10 @@ class SSDConfig:
     stages. ``max_chunk`` caps the chunk size (a larger requested chunk_size runs at this one: the result is
     the same function). ``f32_dot``: "ieee" (float32 FMA, full precision) or "tf32x3" (three tf32
     tensor-core products, about float32 accuracy); 16-bit inputs use the tensor cores natively.
+    ``transition``: the sequential passes step ``S <- M_n S + H_n`` with ``M_n = g I - k_dec^T w_n`` and
+    ``H_n = k_dec^T u_n`` formed per chunk in parallel beforehand (one [dk, dk] x [dk, bv] product per step
+    instead of two [C, dk]-sized ones; without beta no product at all), instead of ``D = u - w S``,
+    ``S <- g S + k_dec^T D``. Fewer sequential FLOPs when dk < 2 C.
     """
 
     block: int = 16
@@ -226,6 +230,7 @@ class SSDConfig:
     state_stages: int = 2
     max_chunk: int = 128
     f32_dot: str = "ieee"
+    transition: bool = False
 
     def __post_init__(self):
         for name in ("block", "block_v", "state_block_v", "max_chunk"):

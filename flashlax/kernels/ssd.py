@@ -77,6 +77,10 @@ class Static:
         return self.seq_len % self.chunk != 0
 
     @property
+    def transition(self) -> bool:
+        return self.config.transition
+
+    @property
     def mm_dtype(self):
         """Operand dtype of the products of data-sized tiles: the input dtype."""
         return jnp.dtype(self.dtype)
@@ -320,26 +324,9 @@ def chunk_rows(st: Static, sb: int):
     return [base + i * sb for i in range(st.chunk // sb)]
 
 
-def _ut_kernel(k_ref, v_ref, la_ref, beta_ref, w_ref, u_ref, *, st: Static):
-    """One chunk: w = T (beta gamma k) [C, dk], u = T (beta v) [C, dv]."""
-    sb = UT_BLOCK
-    rows = chunk_rows(st, sb)
-    nb = len(rows)
-    la = [load_vec(la_ref, r, sb, st) for r in rows]
-    beta = [load_vec(beta_ref, r, sb, st) for r in rows]
-    k = [load(k_ref, r, sb, 0, st.dkp, st, _cols(st.dk, st.dkp)) for r in rows]
-    dec = Decays(la, sb, st)
-    t, _, _ = ut_blocks(k, beta, dec, st)
-    t = {key: mm(x, st) for key, x in t.items()}
-    kb = [mm((beta[j] * dec.gamma(j))[:, None] * k[j].astype(F32), st) for j in range(nb)]
-    for i in range(nb):
-        store(w_ref, rows[i], 0, _sum(dot(t[i, j], kb[j], st) for j in range(i + 1)), st)
-    bv = st.block_v()
-    for c0 in range(0, st.dvp, bv):
-        vb = [mm(beta[j][:, None] * load(v_ref, rows[j], sb, c0, bv, st, _cols(st.dv, st.dvp)).astype(F32), st)
-              for j in range(nb)]
-        for i in range(nb):
-            store(u_ref, rows[i], c0, _sum(dot(t[i, j], vb[j], st) for j in range(i + 1)), st)
+def named(refs, names):
+    """The kernel's refs by name (the wrappers pass inputs and outputs as ordered dicts)."""
+    return dict(zip(names, refs))
 
 
 def chunk_vectors(la, st: Static):
@@ -351,13 +338,18 @@ def chunk_vectors(la, st: Static):
     return gamma, e_last, jnp.exp(jnp.sum(la))
 
 
+def load_square(ref, row0, col0, st: Static, cols: int):
+    """[dkp, cols] tile of one of our per-chunk [N * dkp, width] arrays (chunk states, M, H, R)."""
+    return plgpu.load(ref.at[ds(row0, st.dkp), ds(col0, cols)])
+
+
 def state_block(ref, row0, col0, st: Static, bv: int):
     """[dk, bv] of a per-(batch, head) [dk, dv] state ref (user arrays: masked to dk, dv)."""
     mask = ((iota((st.dkp, bv), 0) < st.dk) & (col0 + iota((st.dkp, bv), 1) < st.dv))
     return plgpu.load(ref.at[ds(row0, st.dkp), ds(col0, bv)], mask=mask, other=0.0).astype(F32)
 
 
-def store_state(ref, row0, col0, val, st: Static, user: bool):
+def store_state(ref, row0, col0, val, st: Static, user: bool = False):
     mask = None
     if user:
         shape = val.shape
@@ -365,36 +357,74 @@ def store_state(ref, row0, col0, val, st: Static, user: bool):
     plgpu.store(ref.at[ds(row0, val.shape[0]), ds(col0, val.shape[1])], val.astype(ref.dtype), mask=mask)
 
 
-def _state_kernel(*refs, st: Static, emit_delta: bool):
-    """Sequential pass over the chunks for dv columns [iv * bv, (iv + 1) * bv): the float32 state S
-    [dk, bv] in registers; per chunk h_n = S (stored), D = u - w S (stored with ``emit_delta``; D = v
-    without beta) and S <- g_C S + k_dec^T D. Writes the final state."""
+def _precompute_kernel(*refs, names, st: Static):
+    """One chunk. With beta: w = T (beta gamma k) [C, dk], u = T (beta v) [C, dv]; with ``st.transition``
+    also M = g I - k_dec^T w [dk, dk] and H = k_dec^T u [dk, dv] (float32). Without beta (transition only):
+    H = k_dec^T v."""
+    r = named(refs, names)
+    sb = UT_BLOCK
+    rows = chunk_rows(st, sb)
+    nb = len(rows)
+    row_m = pl.program_id(0) * st.dkp
+    k = [load(r["k"], row, sb, 0, st.dkp, st, _cols(st.dk, st.dkp)) for row in rows]
+    dec = Decays([load_vec(r["la"], row, sb, st) for row in rows], sb, st)
+    if st.transition:
+        k_dec = [mm(dec.e_last(i)[:, None] * k[i].astype(F32), st) for i in range(nb)]
     if st.has_beta:
-        k_ref, la_ref, w_ref, u_ref, s0_ref, final_ref, h_ref = refs[:7]
-        d_ref = refs[7] if emit_delta else None
-    else:
-        k_ref, la_ref, v_ref, s0_ref, final_ref, h_ref = refs
+        beta = [load_vec(r["beta"], row, sb, st) for row in rows]
+        t, _, _ = ut_blocks(k, beta, dec, st)
+        t = {key: mm(x, st) for key, x in t.items()}
+        kb = [mm((beta[j] * dec.gamma(j))[:, None] * k[j].astype(F32), st) for j in range(nb)]
+        w = [_sum(dot(t[i, j], kb[j], st) for j in range(i + 1)) for i in range(nb)]
+        for i in range(nb):
+            store(r["w"], rows[i], 0, w[i], st)
+        if st.transition:
+            eye = jnp.where(iota((st.dkp, st.dkp), 0) == iota((st.dkp, st.dkp), 1), dec.chunk_decay(), 0.0)
+            store_state(r["m"], row_m, 0, eye - _sum(dot(k_dec[i], mm(w[i], st), st, ta=True) for i in range(nb)), st)
+    bv = st.block_v()
+    for c0 in range(0, st.dvp, bv):
+        x = [load(r["v"], row, sb, c0, bv, st, _cols(st.dv, st.dvp)).astype(F32) for row in rows]
+        if st.has_beta:
+            vb = [mm(beta[j][:, None] * x[j], st) for j in range(nb)]
+            x = [_sum(dot(t[i, j], vb[j], st) for j in range(i + 1)) for i in range(nb)]     # u
+            for i in range(nb):
+                store(r["u"], rows[i], c0, x[i], st)
+        if st.transition:
+            store_state(r["inc"], row_m, c0, _sum(dot(k_dec[i], mm(x[i], st), st, ta=True) for i in range(nb)), st)
+
+
+def _state_kernel(*refs, names, st: Static):
+    """Sequential pass over the chunks for dv columns [iv * bv, (iv + 1) * bv): the float32 state S [dk, bv]
+    in registers; per chunk stores h_n = S, then S <- M_n S + H_n (``st.transition``; without beta
+    S <- g S + H_n) or D = u - w S (stored as "d" when asked; D = v without beta), S <- g S + k_dec^T D.
+    Writes the final state."""
+    r = named(refs, names)
     bv = st.state_block_v()
     col0 = pl.program_id(0) * bv
     c = st.chunk
+    kcols, vcols = _cols(st.dk, st.dkp), _cols(st.dv, st.dvp)
 
     def body(n, s):
-        r0 = n * c
-        la = load_vec(la_ref, r0, c, st)
-        _, e_last, decay = chunk_vectors(la, st)
-        store_state(h_ref, n * st.dkp, col0, s, st, user=False)
+        r0, row_m = n * c, n * st.dkp
+        store_state(r["h"], row_m, col0, s, st)
+        if st.transition:
+            inc = load_square(r["inc"], row_m, col0, st, bv)
+            if st.has_beta:
+                return dot(mm(load_square(r["m"], row_m, 0, st, st.dkp), st), mm(s, st), st) + inc
+            return jnp.exp(jnp.sum(load_vec(r["la"], r0, c, st))) * s + inc
+        _, e_last, decay = chunk_vectors(load_vec(r["la"], r0, c, st), st)
         if st.has_beta:
-            w = load(w_ref, r0, c, 0, st.dkp, st)
-            d = load(u_ref, r0, c, col0, bv, st).astype(F32) - dot(w, mm(s, st), st)
-            if emit_delta:
-                store(d_ref, r0, col0, d, st)
+            w = load(r["w"], r0, c, 0, st.dkp, st)
+            d = load(r["u"], r0, c, col0, bv, st).astype(F32) - dot(w, mm(s, st), st)
+            if "d" in r:
+                store(r["d"], r0, col0, d, st)
         else:
-            d = load(v_ref, r0, c, col0, bv, st, _cols(st.dv, st.dvp)).astype(F32)
-        k_dec = mm(load(k_ref, r0, c, 0, st.dkp, st, _cols(st.dk, st.dkp)).astype(F32) * e_last[:, None], st)
+            d = load(r["v"], r0, c, col0, bv, st, vcols).astype(F32)
+        k_dec = mm(load(r["k"], r0, c, 0, st.dkp, st, kcols).astype(F32) * e_last[:, None], st)
         return decay * s + dot(k_dec, mm(d, st), st, ta=True)
 
-    s = lax.fori_loop(jnp.int32(0), jnp.int32(st.n_chunks), body, state_block(s0_ref, 0, col0, st, bv))
-    store_state(final_ref, 0, col0, s, st, user=True)
+    s = lax.fori_loop(jnp.int32(0), jnp.int32(st.n_chunks), body, state_block(r["s0"], 0, col0, st, bv))
+    store_state(r["final"], 0, col0, s, st, user=True)
 
 
 def p_blocks(q, k, dec: Decays, st: Static):
@@ -403,42 +433,43 @@ def p_blocks(q, k, dec: Decays, st: Static):
             for i in range(len(q)) for j in range(i + 1)}
 
 
-def _output_kernel(*refs, st: Static, transpose: bool):
-    """One chunk. Forward: O = P D + q_g S_n (refs q, k, la, D or v, h, out). ``transpose``: the
-    backward's P^T dO (refs q, k, la, dO, out)."""
-    if transpose:
-        q_ref, k_ref, la_ref, x_ref, out_ref = refs
-    else:
-        q_ref, k_ref, la_ref, x_ref, h_ref, out_ref = refs
+def chunk_delta(r, rows, sb, c0, bv, h, w, st: Static):
+    """D = u - w S_n of one chunk's sub-blocks for columns [c0, c0 + bv) (mm dtype), or the stored D ("d"),
+    or v without beta. h: S_n [dkp, bv] (mm dtype); w: the chunk's w blocks."""
+    if "d" in r:
+        return [load(r["d"], row, sb, c0, bv, st) for row in rows]
+    if not st.has_beta:
+        return [load(r["v"], row, sb, c0, bv, st, _cols(st.dv, st.dvp)) for row in rows]
+    return [mm(load(r["u"], row, sb, c0, bv, st).astype(F32) - dot(w[i], h, st), st) for i, row in enumerate(rows)]
+
+
+def _output_kernel(*refs, names, st: Static):
+    """One chunk: O = P D + q_g S_n, D as :func:`chunk_delta`."""
+    r = named(refs, names)
     sb = st.block()
     rows = chunk_rows(st, sb)
     nb = len(rows)
     kcols = _cols(st.dk, st.dkp)
-    q = [load(q_ref, r, sb, 0, st.dkp, st, kcols) for r in rows]
-    k = [load(k_ref, r, sb, 0, st.dkp, st, kcols) for r in rows]
-    dec = Decays([load_vec(la_ref, r, sb, st) for r in rows], sb, st)
+    q = [load(r["q"], row, sb, 0, st.dkp, st, kcols) for row in rows]
+    k = [load(r["k"], row, sb, 0, st.dkp, st, kcols) for row in rows]
+    dec = Decays([load_vec(r["la"], row, sb, st) for row in rows], sb, st)
     p = {key: mm(x, st) for key, x in p_blocks(q, k, dec, st).items()}
-    # x: dO or v (user arrays, masked to dv) or D (ours, padded to dvp)
-    xcols = _cols(st.dv, st.dvp) if (transpose or not st.has_beta) else None
+    q_g = [mm((st.scale * dec.gamma(i))[:, None] * q[i].astype(F32), st) for i in range(nb)]
+    w = [load(r["w"], row, sb, 0, st.dkp, st) for row in rows] if "w" in r else None
+    h_row = pl.program_id(0) * st.dkp
     bv = st.block_v()
-    if not transpose:
-        q_g = [mm((st.scale * dec.gamma(i))[:, None] * q[i].astype(F32), st) for i in range(nb)]
-        h_row = pl.program_id(0) * st.dkp
     for c0 in range(0, st.dvp, bv):
-        x = [load(x_ref, r, sb, c0, bv, st, xcols) for r in rows]
-        if transpose:
-            for j in range(nb):
-                store(out_ref, rows[j], c0, _sum(dot(p[i, j], x[i], st, ta=True) for i in range(j, nb)), st)
-        else:
-            h = mm(plgpu.load(h_ref.at[ds(h_row, st.dkp), ds(c0, bv)]), st)
-            for i in range(nb):
-                o = _sum(dot(p[i, j], x[j], st) for j in range(i + 1)) + dot(q_g[i], h, st)
-                store(out_ref, rows[i], c0, o, st, _cols(st.dv, st.dvp))
+        h = mm(load_square(r["h"], h_row, c0, st, bv), st)
+        d = chunk_delta(r, rows, sb, c0, bv, h, w, st)
+        for i in range(nb):
+            o = _sum(dot(p[i, j], d[j], st) for j in range(i + 1)) + dot(q_g[i], h, st)
+            store(r["o"], rows[i], c0, o, st, _cols(st.dv, st.dvp))
 
 
 # ----------------------------------------------------------------------------------------------------
 # pallas_call wrappers. Grids: (chunk or dv block, head, batch); arrays [B, H, T, ...] are read through a
-# whole-sequence block of their (batch, head) and sliced in the kernel.
+# whole-sequence block of their (batch, head) and sliced in the kernel. Per-chunk [dk, x] arrays (chunk
+# states, M, H, R) are [B, H, N * dkp, x].
 # ----------------------------------------------------------------------------------------------------
 
 def seq_spec(st: Static, width: int):
@@ -453,98 +484,124 @@ def mat_spec(rows: int, cols: int):
     return pl.BlockSpec((None, None, rows, cols), lambda g, h, b: (b, h, 0, 0))
 
 
-def call(kernel, st: Static, grid0: int, bh, in_specs, out_specs, out_shape, *args, sequential=False,
-         name: str):
+def seq_arg(x, st: Static, width: int):
+    return x, seq_spec(st, width)
+
+
+def seq_out(st: Static, bh, width: int, dtype, full: int | None = None):
+    """A [B, H, T, width] output (``full``: its true width when the block is padded to ``width``)."""
+    return jax.ShapeDtypeStruct(bh + (st.seq_len, width if full is None else full), dtype), seq_spec(st, width)
+
+
+def vec_out(st: Static, bh):
+    return jax.ShapeDtypeStruct(bh + (st.seq_len,), F32), vec_spec(st)
+
+
+def per_chunk_out(st: Static, bh, cols: int, dtype=F32):
+    rows = st.n_chunks * st.dkp
+    return jax.ShapeDtypeStruct(bh + (rows, cols), dtype), mat_spec(rows, cols)
+
+
+def per_chunk_arg(x, st: Static):
+    return x, mat_spec(x.shape[2], x.shape[3])
+
+
+def call(kernel, st: Static, grid0: int, inputs: dict, outputs: dict, *, sequential=False, name: str) -> dict:
+    """pallas_call of ``kernel(*refs, names=..., st=st)`` with named inputs {name: (array, spec)} and
+    outputs {name: (ShapeDtypeStruct, spec)}; returns the outputs by name."""
     cfg = st.config
+    bh = next(iter(inputs.values()))[0].shape[:2]
+    names = tuple(inputs) + tuple(outputs)
     params = plgpu.CompilerParams(num_warps=cfg.state_warps if sequential else cfg.num_warps,
                                   num_stages=cfg.state_stages if sequential else 1)
-    return pl.pallas_call(kernel, grid=(grid0, bh[1], bh[0]), in_specs=in_specs, out_specs=out_specs,
-                          out_shape=out_shape, compiler_params=params, interpret=st.interpret, name=name)(*args)
+    outs = pl.pallas_call(
+        functools.partial(kernel, names=names, st=st), grid=(grid0, bh[1], bh[0]),
+        in_specs=[spec for _, spec in inputs.values()], out_specs=[spec for _, spec in outputs.values()],
+        out_shape=[sds for sds, _ in outputs.values()], compiler_params=params, interpret=st.interpret,
+        name=name)(*[x for x, _ in inputs.values()])
+    return dict(zip(outputs, outs))
 
 
-def mid_dtype(st: Static):
-    """dtype of the forward intermediates in memory (w, u, D, chunk states): the input dtype."""
-    return st.mm_dtype
-
-
-def ut_call(st: Static, k, v, la, beta):
-    """(w [B, H, T, dkp], u [B, H, T, dvp]) in the input dtype."""
+def precompute_call(st: Static, k, v, la, beta) -> dict:
+    """The per-chunk parallel precompute: w, u [B, H, T, dkp / dvp] in the input dtype (with beta); M [B, H,
+    N * dkp, dkp] (with beta) and H [B, H, N * dkp, dvp] float32 (with ``st.transition``). {} when neither."""
     bh = k.shape[:2]
-    sds = lambda width: jax.ShapeDtypeStruct(bh + (st.seq_len, width), mid_dtype(st))  # noqa: E731
-    return call(functools.partial(_ut_kernel, st=st), st, st.n_chunks, bh,
-                [seq_spec(st, st.dkp), seq_spec(st, st.dvp), vec_spec(st), vec_spec(st)],
-                [seq_spec(st, st.dkp), seq_spec(st, st.dvp)], [sds(st.dkp), sds(st.dvp)],
-                k, v, la, beta, name="ssd_ut")
-
-
-def state_call(st: Static, k, la, w, u_or_v, s0, emit_delta: bool):
-    """(final state [B, H, dk, dv] float32, chunk-start states h [B, H, N * dkp, dvp], D [B, H, T, dvp] or
-    None); with beta ``w, u``, without ``None, v``."""
-    bh = k.shape[:2]
-    nv = st.dvp // st.state_block_v()
-    hrows = st.n_chunks * st.dkp
-    in_specs = [seq_spec(st, st.dkp), vec_spec(st)]
-    args = [k, la]
+    outputs = {}
     if st.has_beta:
-        in_specs += [seq_spec(st, st.dkp), seq_spec(st, st.dvp)]
-        args += [w, u_or_v]
+        outputs["w"] = seq_out(st, bh, st.dkp, st.mm_dtype)
+        outputs["u"] = seq_out(st, bh, st.dvp, st.mm_dtype)
+    if st.transition:
+        if st.has_beta:
+            outputs["m"] = per_chunk_out(st, bh, st.dkp)
+        outputs["inc"] = per_chunk_out(st, bh, st.dvp)
+    if not outputs:
+        return {}
+    inputs = dict(k=seq_arg(k, st, st.dkp), v=seq_arg(v, st, st.dvp), la=(la, vec_spec(st)))
+    if st.has_beta:
+        inputs["beta"] = (beta, vec_spec(st))
+    return call(_precompute_kernel, st, st.n_chunks, inputs, outputs, name="ssd_precompute")
+
+
+def state_call(st: Static, k, v, la, s0, pre: dict, emit_delta: bool = False) -> dict:
+    """{"final": [B, H, dk, dv] float32, "h": chunk-start states [B, H, N * dkp, dvp] in the input dtype,
+    and "d": D [B, H, T, dvp] when ``emit_delta`` (with beta, not ``st.transition``)}."""
+    bh = k.shape[:2]
+    inputs = {"la": (la, vec_spec(st))}
+    if st.transition:
+        inputs["inc"] = per_chunk_arg(pre["inc"], st)
+        if st.has_beta:
+            inputs["m"] = per_chunk_arg(pre["m"], st)
     else:
-        in_specs.append(seq_spec(st, st.dvp))
-        args.append(u_or_v)
-    in_specs.append(mat_spec(st.dkp, st.dvp))
-    args.append(s0)
-    out_specs = [mat_spec(st.dkp, st.dvp), mat_spec(hrows, st.dvp)]
-    out_shape = [jax.ShapeDtypeStruct(bh + (st.dk, st.dv), F32),
-                 jax.ShapeDtypeStruct(bh + (hrows, st.dvp), mid_dtype(st))]
-    if st.has_beta and emit_delta:
-        out_specs.append(seq_spec(st, st.dvp))
-        out_shape.append(jax.ShapeDtypeStruct(bh + (st.seq_len, st.dvp), mid_dtype(st)))
-    outs = call(functools.partial(_state_kernel, st=st, emit_delta=emit_delta), st, nv, bh, in_specs,
-                out_specs, out_shape, *args, sequential=True, name="ssd_state")
-    return outs[0], outs[1], (outs[2] if len(outs) > 2 else None)
+        inputs["k"] = seq_arg(k, st, st.dkp)
+        if st.has_beta:
+            inputs.update(w=seq_arg(pre["w"], st, st.dkp), u=seq_arg(pre["u"], st, st.dvp))
+        else:
+            inputs["v"] = seq_arg(v, st, st.dvp)
+    inputs["s0"] = (s0, mat_spec(st.dkp, st.dvp))
+    outputs = {"final": (jax.ShapeDtypeStruct(bh + (st.dk, st.dv), F32), mat_spec(st.dkp, st.dvp)),
+               "h": per_chunk_out(st, bh, st.dvp, st.mm_dtype)}
+    if emit_delta and st.has_beta and not st.transition:
+        outputs["d"] = seq_out(st, bh, st.dvp, st.mm_dtype)
+    return call(_state_kernel, st, st.dvp // st.state_block_v(), inputs, outputs, sequential=True,
+                name="ssd_state")
 
 
-def output_call(st: Static, q, k, la, x, h=None, *, transpose: bool = False):
-    """Forward (h given): O [B, H, T, dv] in q's dtype. ``transpose``: P^T x as float32 [B, H, T, dvp]."""
+def delta_args(st: Static, v, pre: dict, states: dict) -> dict:
+    """What :func:`chunk_delta` reads: the stored D, or u and w (D formed in the kernel), or v."""
+    if "d" in states:
+        return {"d": seq_arg(states["d"], st, st.dvp)}
+    if st.has_beta:
+        return {"u": seq_arg(pre["u"], st, st.dvp), "w": seq_arg(pre["w"], st, st.dkp)}
+    return {"v": seq_arg(v, st, st.dvp)}
+
+
+def output_call(st: Static, q, k, v, la, pre: dict, states: dict):
+    """O [B, H, T, dv] in v's dtype."""
     bh = q.shape[:2]
-    in_specs = [seq_spec(st, st.dkp), seq_spec(st, st.dkp), vec_spec(st), seq_spec(st, st.dvp)]
-    args = [q, k, la, x]
-    if transpose:
-        out_shape = jax.ShapeDtypeStruct(bh + (st.seq_len, st.dvp), F32)
-    else:
-        in_specs.append(mat_spec(st.n_chunks * st.dkp, st.dvp))
-        args.append(h)
-        out_shape = jax.ShapeDtypeStruct(bh + (st.seq_len, st.dv), q.dtype)
-    return call(functools.partial(_output_kernel, st=st, transpose=transpose), st, st.n_chunks, bh,
-                in_specs, seq_spec(st, st.dvp), out_shape, *args, name="ssd_dout" if transpose else "ssd_out")
+    inputs = dict(q=seq_arg(q, st, st.dkp), k=seq_arg(k, st, st.dkp), la=(la, vec_spec(st)),
+                  h=per_chunk_arg(states["h"], st), **delta_args(st, v, pre, states))
+    outputs = {"o": seq_out(st, bh, st.dvp, v.dtype, full=st.dv)}
+    return call(_output_kernel, st, st.n_chunks, inputs, outputs, name="ssd_out")["o"]
 
 
 # ----------------------------------------------------------------------------------------------------
 # custom_vjp and entry point
 # ----------------------------------------------------------------------------------------------------
 
-def forward(st: Static, q, k, v, la, beta, s0, emit_delta: bool = False):
-    """(o, final state, (w, u, h, D)): D is v without beta; w, u None without beta."""
-    w = u = None
-    if st.has_beta:
-        w, u = ut_call(st, k, v, la, beta)
-        final, h, d = state_call(st, k, la, w, u, s0, emit_delta=True)
-    else:
-        final, h, _ = state_call(st, k, la, None, v, s0, emit_delta=False)
-        d = v
-    o = output_call(st, q, k, la, d, h)
-    return o, final, (w, u, h, d)
+def forward(st: Static, q, k, v, la, beta, s0):
+    """(o, final state)."""
+    pre = precompute_call(st, k, v, la, beta)
+    states = state_call(st, k, v, la, s0, pre, emit_delta=True)
+    return output_call(st, q, k, v, la, pre, states), states["final"]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def _ssd(q, k, v, la, beta, s0, st: Static):
-    o, final, _ = forward(st, q, k, v, la, beta, s0)
-    return o, final
+    return forward(st, q, k, v, la, beta, s0)
 
 
 def _ssd_fwd(q, k, v, la, beta, s0, st):
-    o, final, _ = forward(st, q, k, v, la, beta, s0)
-    return (o, final), (q, k, v, la, beta, s0)       # residuals: the inputs only
+    return forward(st, q, k, v, la, beta, s0), (q, k, v, la, beta, s0)       # residuals: the inputs only
 
 
 def _ssd_bwd(st, res, cts):
@@ -557,6 +614,25 @@ _ssd.defvjp(_ssd_fwd, _ssd_bwd)
 
 
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def make_static(q, k, v, beta, *, scale: float, chunk_size: int, interpret: bool, config: SSDConfig | None,
+                device_kind: str | None) -> Static:
+    """Checks dtypes and head dims, picks and checks the config; the kernels' static description."""
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in _DTYPES:
+        raise ValueError(f"gated_delta_rule_ssd: q, k, v must share one dtype of float32/bfloat16/float16, "
+                         f"got {q.dtype}, {k.dtype}, {v.dtype} (shapes {q.shape}, {k.shape}, {v.shape})")
+    seq_len, dk, dv = q.shape[2], q.shape[3], v.shape[3]
+    if max(dk, dv) > 256:
+        raise ValueError(f"gated_delta_rule_ssd: head dims up to 256 are supported, got q {q.shape}, v {v.shape}")
+    kind = device_kind
+    if kind is None:
+        kind = "cpu-interpret" if interpret else jax.devices()[0].device_kind
+    cfg = ssd_config(dk, dv, q.dtype, kind) if config is None else config
+    chunk = min(int(chunk_size), cfg.max_chunk)
+    check_ssd_config(cfg, dk, dv, chunk, q.dtype, kind)
+    return Static(config=cfg, scale=float(scale), chunk=chunk, seq_len=seq_len, dk=dk, dv=dv,
+                  has_beta=beta is not None, dtype=jnp.dtype(q.dtype), interpret=bool(interpret))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "return_final_state", "chunk_size", "interpret", "config",
@@ -572,21 +648,10 @@ def gated_delta_rule_ssd(q, k, v, log_alpha, beta=None, *, scale: float, initial
     residuals are the inputs). ``config``: an SSDConfig (default: :func:`ssd_config` for the device kind);
     a chunk_size above its ``max_chunk`` runs at ``max_chunk`` (the same function).
     """
-    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in _DTYPES:
-        raise ValueError(f"gated_delta_rule_ssd: q, k, v must share one dtype of float32/bfloat16/float16, "
-                         f"got {q.dtype}, {k.dtype}, {v.dtype} (shapes {q.shape}, {k.shape}, {v.shape})")
-    batch, heads, seq_len, dk = q.shape
+    st = make_static(q, k, v, beta, scale=scale, chunk_size=chunk_size, interpret=interpret, config=config,
+                     device_kind=device_kind)
+    batch, heads, _, dk = q.shape
     dv = v.shape[-1]
-    if max(dk, dv) > 256:
-        raise ValueError(f"gated_delta_rule_ssd: head dims up to 256 are supported, got q {q.shape}, v {v.shape}")
-    kind = device_kind
-    if kind is None:
-        kind = "cpu-interpret" if interpret else jax.devices()[0].device_kind
-    cfg = ssd_config(dk, dv, q.dtype, kind) if config is None else config
-    chunk = min(int(chunk_size), cfg.max_chunk)
-    check_ssd_config(cfg, dk, dv, chunk, q.dtype, kind)
-    st = Static(config=cfg, scale=float(scale), chunk=chunk, seq_len=seq_len, dk=dk, dv=dv,
-                has_beta=beta is not None, dtype=jnp.dtype(q.dtype), interpret=bool(interpret))
     la = log_alpha.astype(F32)
     beta32 = None if beta is None else beta.astype(F32)
     s0 = jnp.zeros((batch, heads, dk, dv), F32) if initial_state is None else initial_state.astype(F32)

@@ -30,17 +30,46 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from flashlax.kernels import ssd
-from flashlax.kernels.ssd import (F32, UT_BLOCK, Decays, Static, _cols, _sum, call, chunk_rows, chunk_vectors, ds,
-                                  dot, load, load_vec, mat_spec, mm, seq_spec, state_block, store, store_state,
-                                  store_vec, ut_blocks, vec_spec)
+from flashlax.kernels.ssd import (F32, UT_BLOCK, Decays, Static, _cols, _sum, call, chunk_delta, chunk_rows,
+                                  chunk_vectors, delta_args, dot, load, load_square, load_vec, mm, named,
+                                  p_blocks, per_chunk_arg, per_chunk_out, seq_arg, seq_out, state_block, store,
+                                  store_state, store_vec, ut_blocks, vec_out, vec_spec)
 
 
-def _reverse_kernel(*refs, st: Static):
-    """Adjoint recurrence for dv columns [iv * bv, (iv + 1) * bv), chunks last to first."""
-    if st.has_beta:
-        q_ref, k_ref, la_ref, w_ref, do_ref, ddl_ref, dfinal_ref, dh_ref, dd_ref, ds0_ref = refs
-    else:
-        q_ref, k_ref, la_ref, do_ref, ddl_ref, dfinal_ref, dh_ref, dd_ref, ds0_ref = refs
+def _dout_kernel(*refs, names, st: Static):
+    """One chunk: P^T dO (float32); with ``st.transition`` also R = q_g^T dO - w^T P^T dO [dk, dv], the
+    part of the adjoint step that does not depend on the adjoint."""
+    r = named(refs, names)
+    sb = st.block()
+    rows = chunk_rows(st, sb)
+    nb = len(rows)
+    kcols, vcols = _cols(st.dk, st.dkp), _cols(st.dv, st.dvp)
+    q = [load(r["q"], row, sb, 0, st.dkp, st, kcols) for row in rows]
+    k = [load(r["k"], row, sb, 0, st.dkp, st, kcols) for row in rows]
+    dec = Decays([load_vec(r["la"], row, sb, st) for row in rows], sb, st)
+    p = {key: mm(x, st) for key, x in p_blocks(q, k, dec, st).items()}
+    if st.transition:
+        q_g = [mm((st.scale * dec.gamma(i))[:, None] * q[i].astype(F32), st) for i in range(nb)]
+        w = [load(r["w"], row, sb, 0, st.dkp, st) for row in rows] if st.has_beta else None
+    row_m = pl.program_id(0) * st.dkp
+    bv = st.block_v()
+    for c0 in range(0, st.dvp, bv):
+        do = [load(r["do"], row, sb, c0, bv, st, vcols) for row in rows]
+        ddl = [_sum(dot(p[i, j], do[i], st, ta=True) for i in range(j, nb)) for j in range(nb)]
+        for j in range(nb):
+            store(r["ddl"], rows[j], c0, ddl[j], st)
+        if st.transition:
+            rinc = _sum(dot(q_g[i], do[i], st, ta=True) for i in range(nb))
+            if st.has_beta:
+                rinc = rinc - _sum(dot(w[j], mm(ddl[j], st), st, ta=True) for j in range(nb))
+            store_state(r["rinc"], row_m, c0, rinc, st)
+
+
+def _reverse_kernel(*refs, names, st: Static):
+    """Adjoint recurrence for dv columns [iv * bv, (iv + 1) * bv), chunks last to first: stores dh_n (the
+    adjoint of S_{n+1}), then adj <- M_n^T adj + R_n (``st.transition``; without beta g adj + R_n), or
+    dD = P^T dO + k_dec adj (stored; without beta it is dv), adj <- q_g^T dO + g adj - w^T dD."""
+    r = named(refs, names)
     bv = st.state_block_v()
     col0 = pl.program_id(0) * bv
     c = st.chunk
@@ -48,38 +77,44 @@ def _reverse_kernel(*refs, st: Static):
 
     def body(i, adj):
         n = st.n_chunks - 1 - i
-        r0 = n * c
-        gamma, e_last, decay = chunk_vectors(load_vec(la_ref, r0, c, st), st)
-        store_state(dh_ref, n * st.dkp, col0, adj, st, user=False)
-        k_dec = mm(load(k_ref, r0, c, 0, st.dkp, st, kcols).astype(F32) * e_last[:, None], st)
-        dd = load(ddl_ref, r0, c, col0, bv, st) + dot(k_dec, mm(adj, st), st)
-        # without beta dD is v's gradient: stored in v's dtype and shape
-        store(dd_ref, r0, col0, dd, st, None if st.has_beta else vcols)
-        q_g = mm((st.scale * gamma)[:, None] * load(q_ref, r0, c, 0, st.dkp, st, kcols).astype(F32), st)
-        adj = decay * adj + dot(q_g, load(do_ref, r0, c, col0, bv, st, vcols), st, ta=True)
+        r0, row_m = n * c, n * st.dkp
+        store_state(r["dh"], row_m, col0, adj, st)
+        if st.transition:
+            rinc = load_square(r["rinc"], row_m, col0, st, bv)
+            if st.has_beta:
+                return dot(mm(load_square(r["m"], row_m, 0, st, st.dkp), st), mm(adj, st), st, ta=True) + rinc
+            return jnp.exp(jnp.sum(load_vec(r["la"], r0, c, st))) * adj + rinc
+        gamma, e_last, decay = chunk_vectors(load_vec(r["la"], r0, c, st), st)
+        k_dec = mm(load(r["k"], r0, c, 0, st.dkp, st, kcols).astype(F32) * e_last[:, None], st)
+        dd = load(r["ddl"], r0, c, col0, bv, st) + dot(k_dec, mm(adj, st), st)
+        store(r["dd"], r0, col0, dd, st, None if st.has_beta else vcols)
+        q_g = mm((st.scale * gamma)[:, None] * load(r["q"], r0, c, 0, st.dkp, st, kcols).astype(F32), st)
+        adj = decay * adj + dot(q_g, load(r["do"], r0, c, col0, bv, st, vcols), st, ta=True)
         if st.has_beta:
-            adj = adj - dot(load(w_ref, r0, c, 0, st.dkp, st), mm(dd, st), st, ta=True)
+            adj = adj - dot(load(r["w"], r0, c, 0, st.dkp, st), mm(dd, st), st, ta=True)
         return adj
 
-    adj = lax.fori_loop(jnp.int32(0), jnp.int32(st.n_chunks), body, state_block(dfinal_ref, 0, col0, st, bv))
-    store_state(ds0_ref, 0, col0, adj, st, user=True)
+    adj = lax.fori_loop(jnp.int32(0), jnp.int32(st.n_chunks), body, state_block(r["dfinal"], 0, col0, st, bv))
+    store_state(r["ds0"], 0, col0, adj, st, user=True)
 
 
-def _dqk_kernel(*refs, st: Static):
+def _dqk_kernel(*refs, names, st: Static):
     """One chunk: dq, dk (P and k_dec parts; all of it without beta), dw = -dD h^T, d log_alpha (all of it
-    without beta)."""
-    if st.has_beta:
-        q_ref, k_ref, la_ref, d_ref, dd_ref, h_ref, dh_ref, do_ref, dq_ref, dk_ref, dw_ref, dla_ref = refs
-    else:
-        q_ref, k_ref, la_ref, d_ref, h_ref, dh_ref, do_ref, dq_ref, dk_ref, dla_ref = refs
+    without beta). D as :func:`ssd.chunk_delta`; dD read ("dd") or formed as P^T dO + k_dec dh and stored
+    ("dd_out": the UT kernel's du, or dv without beta)."""
+    r = named(refs, names)
     sb = st.block()
     rows = chunk_rows(st, sb)
     nb = len(rows)
     pairs = [(i, j) for i in range(nb) for j in range(i + 1)]
     kcols, vcols = _cols(st.dk, st.dkp), _cols(st.dv, st.dvp)
-    q = [load(q_ref, r, sb, 0, st.dkp, st, kcols) for r in rows]
-    k = [load(k_ref, r, sb, 0, st.dkp, st, kcols) for r in rows]
-    dec = Decays([load_vec(la_ref, r, sb, st) for r in rows], sb, st)
+    q = [load(r["q"], row, sb, 0, st.dkp, st, kcols) for row in rows]
+    k = [load(r["k"], row, sb, 0, st.dkp, st, kcols) for row in rows]
+    dec = Decays([load_vec(r["la"], row, sb, st) for row in rows], sb, st)
+    gamma = [dec.gamma(i) for i in range(nb)]
+    e_last = [dec.e_last(i) for i in range(nb)]
+    w = [load(r["w"], row, sb, 0, st.dkp, st) for row in rows] if "w" in r else None
+    k_dec = [mm(e_last[i][:, None] * k[i].astype(F32), st) for i in range(nb)] if "ddl" in r else None
 
     zeros = jnp.zeros((sb, st.dkp), F32)
     d_qg, d_kdec, d_w = [zeros] * nb, [zeros] * nb, [zeros] * nb
@@ -88,171 +123,184 @@ def _dqk_kernel(*refs, st: Static):
     h_row = pl.program_id(0) * st.dkp
     bv = st.block_v()
     for c0 in range(0, st.dvp, bv):
-        h = plgpu.load(h_ref.at[ds(h_row, st.dkp), ds(c0, bv)])
-        dh = plgpu.load(dh_ref.at[ds(h_row, st.dkp), ds(c0, bv)])
+        h = load_square(r["h"], h_row, c0, st, bv)
+        dh = load_square(r["dh"], h_row, c0, st, bv)
         d_decay = d_decay + jnp.sum(h.astype(F32) * dh)
         h, dh = mm(h, st), mm(dh, st)
-        do = [load(do_ref, r, sb, c0, bv, st, vcols) for r in rows]
-        d = [load(d_ref, r, sb, c0, bv, st, None if st.has_beta else vcols) for r in rows]
+        do = [load(r["do"], row, sb, c0, bv, st, vcols) for row in rows]
+        d = chunk_delta(r, rows, sb, c0, bv, h, w, st)
         for i in range(nb):
             d_qg[i] = d_qg[i] + dot(do[i], h, st, tb=True)
             d_kdec[i] = d_kdec[i] + dot(d[i], dh, st, tb=True)
-        if st.has_beta:
-            for i, r in enumerate(rows):
-                d_w[i] = d_w[i] - dot(mm(load(dd_ref, r, sb, c0, bv, st), st), h, st, tb=True)
+        if st.has_beta or "dd_out" in r:
+            if "dd" in r:
+                dd = [load(r["dd"], row, sb, c0, bv, st) for row in rows]
+            else:
+                dd = [load(r["ddl"], row, sb, c0, bv, st) + dot(k_dec[i], dh, st) for i, row in enumerate(rows)]
+                for i, row in enumerate(rows):
+                    store(r["dd_out"], row, c0, dd[i], st, None if st.has_beta else vcols)
+            if st.has_beta:
+                for i in range(nb):
+                    d_w[i] = d_w[i] - dot(mm(dd[i], st), h, st, tb=True)
         for i, j in pairs:
             d_p[i, j] = d_p[i, j] + dot(do[i], d[j], st, tb=True)
 
-    gamma = [dec.gamma(i) for i in range(nb)]
-    e_last = [dec.e_last(i) for i in range(nb)]
     qk, d_qk = {}, {}
     for i, j in pairs:
-        g = dec.G(i, j)
         qk[i, j] = dot(q[i], k[j], st, tb=True)
-        d_qk[i, j] = st.scale * d_p[i, j] * g             # d(q k^T) through P = scale (q k^T * G)
+        d_qk[i, j] = st.scale * d_p[i, j] * dec.G(i, j)        # d(q k^T) through P = scale (q k^T * G)
     for i in range(nb):
         dq = (st.scale * gamma[i])[:, None] * d_qg[i] + _sum(dot(mm(d_qk[i, j], st), k[j], st) for j in range(i + 1))
-        store(dq_ref, rows[i], 0, dq, st, kcols)
+        store(r["dq"], rows[i], 0, dq, st, kcols)
         dk = e_last[i][:, None] * d_kdec[i] + _sum(dot(mm(d_qk[m, i], st), q[m], st, ta=True) for m in range(i, nb))
-        store(dk_ref, rows[i], 0, dk, st, None if st.has_beta else kcols)
+        store(r["dk"], rows[i], 0, dk, st, None if st.has_beta else kcols)
         if st.has_beta:
-            store(dw_ref, rows[i], 0, d_w[i], st)
+            store(r["dw"], rows[i], 0, d_w[i], st)
     d_exp = {key: d_qk[key] * qk[key] for key in pairs}
     d_gamma = [st.scale * jnp.sum(q[i].astype(F32) * d_qg[i], axis=1) * gamma[i] for i in range(nb)]
     d_elast = [jnp.sum(k[i].astype(F32) * d_kdec[i], axis=1) * e_last[i] for i in range(nb)]
     dla = dec.grad(d_exp, d_gamma, d_elast, d_decay * dec.chunk_decay())
     for i in range(nb):
-        store_vec(dla_ref, rows[i], dla[i], st)
+        store_vec(r["dla"], rows[i], dla[i], st)
 
 
-def _wy_kernel(k_ref, v_ref, la_ref, beta_ref, w_ref, u_ref, dw_ref, dd_ref, dk1_ref, dla1_ref,
-               dk_ref, dv_ref, dbeta_ref, dla_ref, *, st: Static):
+def _wy_kernel(*refs, names, st: Static):
     """One chunk: reverse mode of u = T (beta v), w = T (beta gamma k), T = (I + A)^-1, given du = dD and
     dw; adds dk1 and dla1 (from _dqk_kernel) into the final dk and d log_alpha.
 
     With d_bv = T^T du and d_bgk = T^T dw: dA = -(d_bv u^T + d_bgk w^T) (T^T du = d_bv, T (beta v) = u)."""
+    r = named(refs, names)
     sb = UT_BLOCK
     rows = chunk_rows(st, sb)
     nb = len(rows)
     pairs = [(i, j) for i in range(nb) for j in range(i + 1)]
     kcols, vcols = _cols(st.dk, st.dkp), _cols(st.dv, st.dvp)
-    beta = [load_vec(beta_ref, r, sb, st) for r in rows]
-    k = [load(k_ref, r, sb, 0, st.dkp, st, kcols) for r in rows]
-    dec = Decays([load_vec(la_ref, r, sb, st) for r in rows], sb, st)
+    beta = [load_vec(r["beta"], row, sb, st) for row in rows]
+    k = [load(r["k"], row, sb, 0, st.dkp, st, kcols) for row in rows]
+    dec = Decays([load_vec(r["la"], row, sb, st) for row in rows], sb, st)
     t, kk, g = ut_blocks(k, beta, dec, st)
     t = {key: mm(x, st) for key, x in t.items()}
     gamma = [dec.gamma(i) for i in range(nb)]
-    dw = [mm(load(dw_ref, r, sb, 0, st.dkp, st), st) for r in rows]
-    w = [load(w_ref, r, sb, 0, st.dkp, st) for r in rows]
+    dw = [mm(load(r["dw"], row, sb, 0, st.dkp, st), st) for row in rows]
+    w = [load(r["w"], row, sb, 0, st.dkp, st) for row in rows]
     d_bgk = [_sum(dot(t[i, j], dw[i], st, ta=True) for i in range(j, nb)) for j in range(nb)]
     d_a = {(i, j): -dot(mm(d_bgk[i], st), w[j], st, tb=True) for i, j in pairs}
     dbeta = [jnp.zeros((sb,), F32)] * nb
     bv = st.block_v()
     for c0 in range(0, st.dvp, bv):
-        du = [mm(load(dd_ref, r, sb, c0, bv, st), st) for r in rows]
-        u = [load(u_ref, r, sb, c0, bv, st) for r in rows]
+        du = [mm(load(r["dd"], row, sb, c0, bv, st), st) for row in rows]
+        u = [load(r["u"], row, sb, c0, bv, st) for row in rows]
         d_bv = [_sum(dot(t[i, j], du[i], st, ta=True) for i in range(j, nb)) for j in range(nb)]
         for i, j in pairs:
             d_a[i, j] = d_a[i, j] - dot(mm(d_bv[i], st), u[j], st, tb=True)
-        for i, r in enumerate(rows):
-            v = load(v_ref, r, sb, c0, bv, st, vcols).astype(F32)
+        for i, row in enumerate(rows):
+            v = load(r["v"], row, sb, c0, bv, st, vcols).astype(F32)
             dbeta[i] = dbeta[i] + jnp.sum(v * d_bv[i], axis=1)
-            store(dv_ref, r, c0, beta[i][:, None] * d_bv[i], st, vcols)
+            store(r["dv"], row, c0, beta[i][:, None] * d_bv[i], st, vcols)
     # A = strict(beta_t (k k^T) * G): g is the strict decay, so d_a outside A's support drops out here
     k_bgk = [jnp.sum(k[i].astype(F32) * d_bgk[i], axis=1) for i in range(nb)]
     d_kk = {(i, j): d_a[i, j] * beta[i][:, None] * g[i, j] for i, j in pairs}
-    for i in range(nb):
+    for i, row in enumerate(rows):
         dbeta[i] = (dbeta[i] + gamma[i] * k_bgk[i]
                     + _sum(jnp.sum(d_a[i, j] * kk[i, j] * g[i, j], axis=1) for j in range(i + 1)))
-        dk = ((beta[i] * gamma[i])[:, None] * d_bgk[i] + load(dk1_ref, rows[i], sb, 0, st.dkp, st)
+        dk = ((beta[i] * gamma[i])[:, None] * d_bgk[i] + load(r["dk1"], row, sb, 0, st.dkp, st)
               + _sum(dot(mm(d_kk[i, j], st), k[j], st) for j in range(i + 1))
               + _sum(dot(mm(d_kk[m, i], st), k[m], st, ta=True) for m in range(i, nb)))
-        store(dk_ref, rows[i], 0, dk, st, kcols)
-        store_vec(dbeta_ref, rows[i], dbeta[i], st)
+        store(r["dk"], row, 0, dk, st, kcols)
+        store_vec(r["dbeta"], row, dbeta[i], st)
     d_exp = {key: d_kk[key] * kk[key] for key in pairs}
     dla = dec.grad(d_exp, [beta[i] * k_bgk[i] * gamma[i] for i in range(nb)])
-    for i, r in enumerate(rows):
-        store_vec(dla_ref, r, dla[i] + load_vec(dla1_ref, r, sb, st), st)
+    for i, row in enumerate(rows):
+        store_vec(r["dla"], row, dla[i] + load_vec(r["dla1"], row, sb, st), st)
 
 
 # ----------------------------------------------------------------------------------------------------
 # pallas_call wrappers and the backward driver
 # ----------------------------------------------------------------------------------------------------
 
-def _sds(shape, dtype):
-    return jax.ShapeDtypeStruct(shape, dtype)
-
-
-def reverse_call(st: Static, q, k, la, w, do, ddl, dfinal):
-    """(dh [B, H, N * dkp, dvp] float32, dD [B, H, T, dvp] float32 (without beta: dv [B, H, T, dv] in v's
-    dtype), d initial_state [B, H, dk, dv] float32)."""
+def dout_call(st: Static, q, k, la, do, pre: dict) -> dict:
+    """{"ddl": P^T dO [B, H, T, dvp] float32, and with ``st.transition`` "rinc": R [B, H, N * dkp, dvp]}."""
     bh = q.shape[:2]
-    in_specs = [seq_spec(st, st.dkp), seq_spec(st, st.dkp), vec_spec(st)]
-    args = [q, k, la]
-    if st.has_beta:
-        in_specs.append(seq_spec(st, st.dkp))
-        args.append(w)
-    in_specs += [seq_spec(st, st.dvp), seq_spec(st, st.dvp), mat_spec(st.dkp, st.dvp)]
-    args += [do, ddl, dfinal]
-    hrows = st.n_chunks * st.dkp
-    dd_shape = _sds(bh + (st.seq_len, st.dvp), F32) if st.has_beta else _sds(bh + (st.seq_len, st.dv), do.dtype)
-    out_specs = [mat_spec(hrows, st.dvp), seq_spec(st, st.dvp), mat_spec(st.dkp, st.dvp)]
-    out_shape = [_sds(bh + (hrows, st.dvp), F32), dd_shape, _sds(bh + (st.dk, st.dv), F32)]
-    return call(functools.partial(_reverse_kernel, st=st), st, st.dvp // st.state_block_v(), bh, in_specs,
-                out_specs, out_shape, *args, sequential=True, name="ssd_reverse")
+    inputs = dict(q=seq_arg(q, st, st.dkp), k=seq_arg(k, st, st.dkp), la=(la, vec_spec(st)),
+                  do=seq_arg(do, st, st.dvp))
+    outputs = {"ddl": seq_out(st, bh, st.dvp, F32)}
+    if st.transition:
+        if st.has_beta:
+            inputs["w"] = seq_arg(pre["w"], st, st.dkp)
+        outputs["rinc"] = per_chunk_out(st, bh, st.dvp)
+    return call(_dout_kernel, st, st.n_chunks, inputs, outputs, name="ssd_dout")
 
 
-def dqk_call(st: Static, q, k, la, d, dd, h, dh, do):
-    """With beta: (dq, dk part float32 [B, H, T, dkp], dw float32 [B, H, T, dkp], d log_alpha part
-    float32); without: (dq, dk, d log_alpha)."""
+def reverse_call(st: Static, q, k, la, do, pre: dict, dout: dict, dfinal) -> dict:
+    """{"dh": adjoints [B, H, N * dkp, dvp] float32, "ds0": d initial_state [B, H, dk, dv] float32, and
+    without ``st.transition`` "dd": dD [B, H, T, dvp] float32 (without beta: dv [B, H, T, dv])}."""
     bh = q.shape[:2]
-    hrows = st.n_chunks * st.dkp
-    in_specs = [seq_spec(st, st.dkp), seq_spec(st, st.dkp), vec_spec(st), seq_spec(st, st.dvp)]
-    args = [q, k, la, d]
-    if st.has_beta:
-        in_specs.append(seq_spec(st, st.dvp))
-        args.append(dd)
-    in_specs += [mat_spec(hrows, st.dvp), mat_spec(hrows, st.dvp), seq_spec(st, st.dvp)]
-    args += [h, dh, do]
-    seq = lambda width, dtype: _sds(bh + (st.seq_len, width), dtype)  # noqa: E731
-    if st.has_beta:
-        out_specs = [seq_spec(st, st.dkp)] * 3 + [vec_spec(st)]
-        out_shape = [seq(st.dk, q.dtype), seq(st.dkp, F32), seq(st.dkp, F32), _sds(bh + (st.seq_len,), F32)]
+    inputs = {"la": (la, vec_spec(st))}
+    if st.transition:
+        inputs["rinc"] = per_chunk_arg(dout["rinc"], st)
+        if st.has_beta:
+            inputs["m"] = per_chunk_arg(pre["m"], st)
     else:
-        out_specs = [seq_spec(st, st.dkp)] * 2 + [vec_spec(st)]
-        out_shape = [seq(st.dk, q.dtype), seq(st.dk, k.dtype), _sds(bh + (st.seq_len,), F32)]
-    return call(functools.partial(_dqk_kernel, st=st), st, st.n_chunks, bh, in_specs, out_specs, out_shape,
-                *args, name="ssd_dqk")
+        inputs.update(q=seq_arg(q, st, st.dkp), k=seq_arg(k, st, st.dkp), do=seq_arg(do, st, st.dvp),
+                      ddl=seq_arg(dout["ddl"], st, st.dvp))
+        if st.has_beta:
+            inputs["w"] = seq_arg(pre["w"], st, st.dkp)
+    inputs["dfinal"] = (dfinal, ssd.mat_spec(st.dkp, st.dvp))
+    outputs = {"dh": per_chunk_out(st, bh, st.dvp),
+               "ds0": (jax.ShapeDtypeStruct(bh + (st.dk, st.dv), F32), ssd.mat_spec(st.dkp, st.dvp))}
+    if not st.transition:
+        outputs["dd"] = seq_out(st, bh, st.dvp, F32) if st.has_beta else seq_out(st, bh, st.dvp, do.dtype, st.dv)
+    return call(_reverse_kernel, st, st.dvp // st.state_block_v(), inputs, outputs, sequential=True,
+                name="ssd_reverse")
 
 
-def wy_call(st: Static, k, v, la, beta, w, u, dw, dd, dk1, dla1):
-    """(dk, dv, dbeta float32, d log_alpha float32)."""
+def dqk_call(st: Static, q, k, v, la, do, pre: dict, states: dict, dout: dict, rev: dict) -> dict:
+    """{"dq", "dk" (with beta: its P / k_dec part, float32 [B, H, T, dkp]), "dla" (float32; with beta its
+    part), with beta "dw" float32 [B, H, T, dkp], and "dd_out" (dD, or dv without beta) when the reverse
+    pass did not store it}."""
+    bh = q.shape[:2]
+    inputs = dict(q=seq_arg(q, st, st.dkp), k=seq_arg(k, st, st.dkp), la=(la, vec_spec(st)),
+                  do=seq_arg(do, st, st.dvp), h=per_chunk_arg(states["h"], st), dh=per_chunk_arg(rev["dh"], st),
+                  **delta_args(st, v, pre, states))
+    if "dd" in rev:
+        if st.has_beta:
+            inputs["dd"] = seq_arg(rev["dd"], st, st.dvp)
+    else:
+        inputs["ddl"] = seq_arg(dout["ddl"], st, st.dvp)
+    outputs = {"dq": seq_out(st, bh, st.dkp, q.dtype, st.dk)}
+    if st.has_beta:
+        outputs.update(dk=seq_out(st, bh, st.dkp, F32), dw=seq_out(st, bh, st.dkp, F32))
+    else:
+        outputs["dk"] = seq_out(st, bh, st.dkp, k.dtype, st.dk)
+    outputs["dla"] = vec_out(st, bh)
+    if "dd" not in rev:
+        outputs["dd_out"] = seq_out(st, bh, st.dvp, F32) if st.has_beta else seq_out(st, bh, st.dvp, v.dtype, st.dv)
+    return call(_dqk_kernel, st, st.n_chunks, inputs, outputs, name="ssd_dqk")
+
+
+def wy_call(st: Static, k, v, la, beta, pre: dict, dd, dqk: dict) -> dict:
+    """{"dk", "dv", "dbeta" float32, "dla" float32}: the UT transform's reverse mode, dk and dla completed."""
     bh = k.shape[:2]
-    sk, sv, vec = seq_spec(st, st.dkp), seq_spec(st, st.dvp), vec_spec(st)
-    in_specs = [sk, sv, vec, vec, sk, sv, sk, sv, sk, vec]
-    out_specs = [sk, sv, vec, vec]
-    out_shape = [_sds(bh + (st.seq_len, st.dk), k.dtype), _sds(bh + (st.seq_len, st.dv), v.dtype),
-                 _sds(bh + (st.seq_len,), F32), _sds(bh + (st.seq_len,), F32)]
-    return call(functools.partial(_wy_kernel, st=st), st, st.n_chunks, bh, in_specs, out_specs, out_shape,
-                k, v, la, beta, w, u, dw, dd, dk1, dla1, name="ssd_wy_bwd")
+    sk = lambda x: seq_arg(x, st, st.dkp)  # noqa: E731
+    sv = lambda x: seq_arg(x, st, st.dvp)  # noqa: E731
+    inputs = dict(k=sk(k), v=sv(v), la=(la, vec_spec(st)), beta=(beta, vec_spec(st)), w=sk(pre["w"]),
+                  u=sv(pre["u"]), dw=sk(dqk["dw"]), dd=sv(dd), dk1=sk(dqk["dk"]), dla1=(dqk["dla"], vec_spec(st)))
+    outputs = dict(dk=seq_out(st, bh, st.dkp, k.dtype, st.dk), dv=seq_out(st, bh, st.dvp, v.dtype, st.dv),
+                   dbeta=vec_out(st, bh), dla=vec_out(st, bh))
+    return call(_wy_kernel, st, st.n_chunks, inputs, outputs, name="ssd_wy_bwd")
 
 
 def backward(st: Static, q, k, v, la, beta, s0, do, dfinal):
     """Cotangents (dq, dk, dv, d log_alpha, dbeta or None, d initial_state) of ``ssd._ssd``."""
     do = do.astype(v.dtype)
     dfinal = dfinal.astype(F32)
-    if st.has_beta:
-        w, u = ssd.ut_call(st, k, v, la, beta)
-        _, h, d = ssd.state_call(st, k, la, w, u, s0, emit_delta=True)
-    else:
-        w = u = None
-        _, h, _ = ssd.state_call(st, k, la, None, v, s0, emit_delta=False)
-        d = v
-    ddl = ssd.output_call(st, q, k, la, do, transpose=True)
-    dh, dd, ds0 = reverse_call(st, q, k, la, w, do, ddl, dfinal)
+    pre = ssd.precompute_call(st, k, v, la, beta)
+    states = ssd.state_call(st, k, v, la, s0, pre, emit_delta=True)
+    dout = dout_call(st, q, k, la, do, pre)
+    rev = reverse_call(st, q, k, la, do, pre, dout, dfinal)
+    dqk = dqk_call(st, q, k, v, la, do, pre, states, dout, rev)
+    dd = rev["dd"] if "dd" in rev else dqk["dd_out"]
     if not st.has_beta:
-        dq, dk, dla = dqk_call(st, q, k, la, d, None, h, dh, do)
-        return dq, dk, dd, dla, None, ds0
-    dq, dk1, dw, dla1 = dqk_call(st, q, k, la, d, dd, h, dh, do)
-    dk, dv, dbeta, dla = wy_call(st, k, v, la, beta, w, u, dw, dd, dk1, dla1)
-    return dq, dk, dv, dla, dbeta, ds0
+        return dqk["dq"], dqk["dk"], dd, dqk["dla"], None, rev["ds0"]
+    wy = wy_call(st, k, v, la, beta, pre, dd, dqk)
+    return dqk["dq"], wy["dk"], wy["dv"], wy["dla"], wy["dbeta"], rev["ds0"]
