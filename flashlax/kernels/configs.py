@@ -267,16 +267,23 @@ def ssd_smem_bytes(config: SSDConfig, head_dim_k: int, head_dim_v: int, chunk: i
 
 # family -> {(max padded head dim, dtype class): config}. Untuned entries carry the defaults.
 SSD_CONFIGS: dict[str, dict[tuple[int, str], SSDConfig]] = {
+    # H200 (session 7, docs/PERF_NOTES.md): Triton's IEEE float32 dot runs on the FMA units and made the
+    # float32 forward slower than chunked (3.29 vs 2.85 ms at B2 H8 T8192 dk64); three tf32 passes
+    # ("tf32x3") gave 1.27 ms with 3e-7 relative difference from chunked. 64-row sub-blocks (one chunk)
+    # in the output and gradient kernels: four large products instead of about 28 small ones.
     "h200": {
-        (64, "32"): SSDConfig(block=16, block_v=64, state_block_v=16, state_stages=2),
-        (128, "32"): SSDConfig(block=16, block_v=32, state_block_v=16, state_stages=2),
+        (64, "32"): SSDConfig(block=64, block_v=64, state_block_v=16, state_stages=2, f32_dot="tf32x3"),
+        (128, "32"): SSDConfig(block=64, block_v=64, num_warps=8, state_block_v=16, state_stages=2,
+                               f32_dot="tf32x3"),
         (256, "32"): SSDConfig(block=16, block_v=32, num_warps=8, state_block_v=16, state_warps=8,
-                               state_stages=1, max_chunk=64),
-        (64, "16"): SSDConfig(block=16, block_v=64, state_block_v=32, state_stages=2),
-        (128, "16"): SSDConfig(block=16, block_v=64, state_block_v=32, state_stages=2),
+                               state_stages=1, max_chunk=64, f32_dot="tf32x3"),
+        (64, "16"): SSDConfig(block=64, block_v=64, state_block_v=32, state_stages=2, f32_dot="tf32x3"),
+        (128, "16"): SSDConfig(block=64, block_v=64, num_warps=8, state_block_v=32, state_stages=2,
+                               f32_dot="tf32x3"),
         (256, "16"): SSDConfig(block=16, block_v=32, num_warps=8, state_block_v=16, state_warps=8,
-                               state_stages=1, max_chunk=64),
+                               state_stages=1, max_chunk=64, f32_dot="tf32x3"),
     },
+    # RTX 3090: not run on one (no such machine here); its float32 and tf32 rates are about equal, so IEEE.
     "rtx3090": {
         (64, "32"): SSDConfig(block=16, block_v=64, state_block_v=16, state_stages=2, max_chunk=64),
         (128, "32"): SSDConfig(block=16, block_v=32, state_block_v=16, state_stages=1, max_chunk=64),

@@ -160,11 +160,14 @@ def store_vec(ref, row0, val, st: Static):
 
 
 def dot(a, b, st: Static, ta: bool = False, tb: bool = False):
-    """a @ b (a^T with ta, b^T with tb) -> float32. float32 operands: st.f32_precision (IEEE by default);
-    both operands are cast to a's dtype class first (Triton needs one element type)."""
+    """a @ b (a^T with ta, b^T with tb) -> float32; b is cast to a's dtype (Triton needs one element type).
+    float32 operands: IEEE float32 for 16 x 16 x 16 products (the UT transform's and the in-block segment
+    sums' algebra: cheap either way, and three tensor-core passes would triple their code), otherwise
+    st.f32_precision (the config's f32_dot)."""
     if a.dtype != b.dtype:
         b = b.astype(a.dtype)
-    precision = st.f32_precision if a.dtype == F32 else None
+    small = max(a.shape + b.shape) <= UT_BLOCK
+    precision = (lax.Precision.HIGHEST if small else st.f32_precision) if a.dtype == F32 else None
     dims = (((0,) if ta else (1,), (1,) if tb else (0,)), ((), ()))
     return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=F32)
 
