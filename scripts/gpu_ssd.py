@@ -271,7 +271,8 @@ def main():
     p.add_argument("--out", default=os.environ.get("OUT"))
     p.add_argument("--smoke", action="store_true", help="interpret on CPU at tiny shapes")
     p.add_argument("--deadline", type=float, default=150.0, help="start no new step after this many seconds")
-    p.add_argument("--steps", default="check,e2e,bf16,kernels,variants")
+    p.add_argument("--steps", default="check,e2e,bf16,kernels,variants",
+                   help="comma-separated: check e2e f32nobeta bf16 alt kernels variants")
     args = p.parse_args()
     interp = args.smoke
     OUT_DIR[0] = args.out
@@ -299,16 +300,19 @@ def main():
         check_reference(small, {"shipped": {}}, interp, with_betas=(True, False))
         check_reference(small, {"tf32x3": dict(config=tf)}, interp, with_betas=(True,))
         save(args.out)
-    if "e2e" in steps:
+    if "e2e" in steps:            # everything end to end (first call)
         for with_beta in (True, False):
             extra = ("ssd+tf32x3",) if with_beta else ()
             time_end_to_end(f32_label, f32_shape, jnp.float32, with_beta, ("fwd", "fwd_bwd"),
                             ("chunked",) + variants + extra, interp)
-            save(args.out)
-    if "bf16" in steps:
-        time_end_to_end(bf16_label, bf16_shape, jnp.bfloat16, True, ("fwd",), ("chunked",) + variants, interp)
-        time_end_to_end(bf16_label, bf16_shape, jnp.bfloat16, False, ("fwd",), variants, interp)
-        save(args.out)
+    if "f32nobeta" in steps:      # gated linear attention / SSD: the fla simple-GLA targets
+        time_end_to_end(f32_label, f32_shape, jnp.float32, False, ("fwd", "fwd_bwd"), ("chunked", "ssd"), interp)
+    if "bf16" in steps:           # the bf16 forward target (with beta)
+        time_end_to_end(bf16_label, bf16_shape, jnp.bfloat16, True, ("fwd",), ("chunked", "ssd"), interp)
+    if "alt" in steps:            # the other form of the sequential passes, same process
+        time_end_to_end(f32_label, f32_shape, jnp.float32, True, ("fwd",), variants, interp)
+        time_end_to_end(bf16_label, bf16_shape, jnp.bfloat16, True, ("fwd",), variants, interp)
+    save(args.out)
     if "kernels" in steps:
         guarded("kernels f32 beta", time_kernels, f32_label, f32_shape, jnp.float32, True, interp, (),
                 args.deadline)

@@ -250,7 +250,7 @@ def ssd_smem_bytes(config: SSDConfig, head_dim_k: int, head_dim_v: int, chunk: i
     """Static estimate of the largest shared-memory need among the ssd kernels, bytes.
 
     Sequential kernels: Triton's pipeliner buffers the [C, dk] tile that feeds the state product (w, or q in
-    the reverse pass) once per stage; the other dot operands are staged once for their layout change: a
+    the reverse pass; M_n [dk, dk] float32 in the transition form) once per stage; the other dot operands are staged once for their layout change: a
     [C, dk] tile, the [dk, state_block_v] float32 state and a [C, state_block_v] float32 tile. Chunk kernels
     (no pipelined loop): the operands of their largest dot, a [dk, block_v] float32 tile against a
     [block, dk] one. Head dims padded to powers of two (at least 16). A heuristic in the spirit of
@@ -261,6 +261,8 @@ def ssd_smem_bytes(config: SSDConfig, head_dim_k: int, head_dim_v: int, chunk: i
     c = min(chunk, config.max_chunk)
     bv = min(config.state_block_v, dv)
     sequential = config.state_stages * c * dk * item + c * dk * item + dk * bv * 4 + c * bv * 4
+    if config.transition:       # M_n [dk, dk] float32 streamed per stage, staged once more as an operand
+        sequential = (config.state_stages + 1) * dk * dk * 4 + 2 * dk * bv * 4
     chunked = dk * min(config.block_v, dv) * 4 + min(config.block, c) * dk * 4
     return max(sequential, chunked)
 
@@ -272,12 +274,16 @@ SSD_CONFIGS: dict[str, dict[tuple[int, str], SSDConfig]] = {
     # ("tf32x3") gave 1.27 ms with 3e-7 relative difference from chunked. 64-row sub-blocks (one chunk)
     # in the output and gradient kernels: four large products instead of about 28 small ones.
     "h200": {
-        (64, "32"): SSDConfig(block=64, block_v=64, state_block_v=16, state_stages=2, f32_dot="tf32x3"),
+        # dk <= 64: the transition form (M_n is [dk, dk] per chunk; at 128 and above it would be 2-4x the
+        # bytes of k and its sequential product as long as the two-dot form's)
+        (64, "32"): SSDConfig(block=64, block_v=64, state_block_v=16, state_stages=2, f32_dot="tf32x3",
+                              transition=True),
         (128, "32"): SSDConfig(block=64, block_v=64, num_warps=8, state_block_v=16, state_stages=2,
                                f32_dot="tf32x3"),
         (256, "32"): SSDConfig(block=16, block_v=32, num_warps=8, state_block_v=16, state_warps=8,
                                state_stages=1, max_chunk=64, f32_dot="tf32x3"),
-        (64, "16"): SSDConfig(block=64, block_v=64, state_block_v=32, state_stages=2, f32_dot="tf32x3"),
+        (64, "16"): SSDConfig(block=64, block_v=64, state_block_v=32, state_stages=2, f32_dot="tf32x3",
+                              transition=True),
         (128, "16"): SSDConfig(block=64, block_v=64, num_warps=8, state_block_v=32, state_stages=2,
                                f32_dot="tf32x3"),
         (256, "16"): SSDConfig(block=16, block_v=32, num_warps=8, state_block_v=16, state_warps=8,
