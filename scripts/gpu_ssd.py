@@ -1,16 +1,22 @@
 """Check and time the gated_delta_rule ssd kernels on a GPU in one device call (issue 15).
 
-  cd <tree> && PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false python3 scripts/gpu_ssd.py --out $OUT
+  cd <tree> && PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false python3 scripts/gpu_ssd.py --out $OUT \
+      --steps check,e2e,bf16,kernels,variants
 
-1. correctness: ssd (default config, and f32_dot="tf32x3") against the float64 recurrence on the host CPU at
-   B1 H2 T1000 dk=dv=64 (output, final state, every gradient), and against ``chunked`` on the GPU at the
-   benchmark shapes;
-2. per-kernel times at B2 H8 T8192 dk=dv=64 float32 for config variants of each kernel (each variant compiles
-   only that kernel);
-3. end to end, ssd against chunked in the same process: fwd and fwd+bwd with and without beta at B2 H8 T8192
-   dk=dv=64 float32, forward at B2 H16 T8192 dk=dv=128 bfloat16.
-Starts no new step after ``--deadline`` seconds; writes $OUT/ssd_results.json after every step.
-``--smoke``: the same code in the Pallas interpreter on CPU at tiny shapes, no timing worth reading.
+Steps (``--steps``, in this order):
+  check      ssd (shipped config, and f32_dot="tf32x3") against the float64 recurrence on the host CPU at
+             B1 H2 T1000 dk=dv=64: output and every gradient;
+  e2e        B2 H8 T8192 dk=dv=64 float32, fwd and fwd+bwd, with and without beta: chunked, ssd, ssd/alt
+             (the other form of the sequential passes) and ssd+tf32x3, each with its largest relative
+             difference from chunked over the output and every gradient;
+  f32nobeta  the same without beta, chunked and ssd only;
+  bf16       B2 H16 T8192 dk=dv=128 bfloat16 forward with beta: chunked and ssd;
+  alt        the forward of ssd and ssd/alt at both shapes, in one process;
+  kernels    each kernel of the forward and backward alone, both forms (float32 and bf16 shapes);
+  variants   KERNEL_VARIANTS (config overrides per kernel), until ``--deadline`` seconds.
+Writes $OUT/ssd_results.json as it goes. ``--smoke``: the same code in the Pallas interpreter on CPU at tiny
+shapes (timings meaningless). Session 7 ran "e2e,bf16,kernels,variants" (cut off during e2e) and
+"f32nobeta,bf16,alt"; docs/PERF_NOTES.md has the numbers.
 """
 
 from __future__ import annotations

@@ -7,23 +7,26 @@ kernels by parallelism. Per chunk of C tokens with state ``S`` at its start::
     with beta:  D = u - w S,   u = T (beta v),   w = T (beta gamma k),   T = (I + A)^-1
     O = P D + q_g S,   S' = g_C S + k_dec^T D          (without beta: D = v, no T at all)
 
-1. ``_ut_kernel`` (with beta only; one program per chunk, batch and head): A, its inverse T from 16 x 16
-   diagonal blocks inverted in closed form and block forward-substitution merges, then w and u.
-2. ``_state_kernel`` (one program per batch, head and ``state_block_v`` columns of dv): the sequential
-   pass over the chunks, the float32 state in registers; D = u - w S and S' per chunk. It writes the chunk
-   start states and D for the output kernel (and the backward).
+1. ``_precompute_kernel`` (one program per chunk, batch and head; with beta, or in the transition form):
+   A and its inverse T from 16 x 16 diagonal blocks inverted in closed form and block forward-substitution
+   merges, then w and u; in the transition form also ``M = g_C I - k_dec^T w`` and ``H = k_dec^T u``
+   (``k_dec^T v`` without beta).
+2. ``_state_kernel`` (one program per batch, head and ``state_block_v`` columns of dv): the sequential pass
+   over the chunks, the float32 state in registers, storing each chunk's start state. Two forms
+   (``SSDConfig.transition``): ``D = u - w S`` (stored), ``S <- g_C S + k_dec^T D``: two products per
+   step; or ``S <- M S + H``: one product (none without beta), D formed later by the output kernel.
 3. ``_output_kernel`` (one program per chunk, batch and head): O = P D + q_g S with P recomputed from q, k.
-   The backward's P^T dO is the same kernel transposed.
 
 Numerics. Every decay is ``exp`` of a segment sum of log_alpha inside one chunk: for two positions in
 different sub-blocks it is (suffix of the earlier block) + (whole blocks between) + (prefix of the later
-block), inside one sub-block a masked [16, 16] triangular product. Each is a sum of terms <= 0, so no
-exponent is positive (no overflow at log_alpha = -1e4), none cancels (a difference of prefix sums after a
--1e4 token would lose 1e-3 absolute in float32), and masked entries are exp(0) = 1 zeroed afterwards (no
-0 * inf at log_alpha = 0). The last partial chunk is read and written with row masks (log_alpha 0, every
-other input 0 past the end), never padded in memory. float32 inputs: every product in IEEE float32
-(``precision=HIGHEST``); bf16/f16 inputs: products of data-sized tiles on the tensor cores with float32
-accumulation, the state and every decay and UT-transform product in float32.
+block), inside one sub-block a masked triangular product. Each is a sum of terms <= 0, so no exponent is
+positive (no overflow at log_alpha = -1e4), none cancels (a difference of prefix sums after a -1e4 token
+would lose 1e-3 absolute in float32), and masked entries are exp(0) = 1 zeroed afterwards (no 0 * inf at
+log_alpha = 0). The last partial chunk is read and written with row masks (log_alpha 0, every other input
+0 past the end), never padded in memory. float32 inputs: 16 x 16 x 16 products in IEEE float32, larger
+ones per ``SSDConfig.f32_dot`` ("ieee", or "tf32x3": three tf32 tensor-core passes, hi*hi + hi*lo + lo*hi,
+measured 3e-7 relative from the IEEE XLA path); bf16/f16 inputs: products of data-sized tiles on the
+tensor cores with float32 accumulation; the state, every decay and the UT transform in float32.
 """
 
 from __future__ import annotations

@@ -4,15 +4,18 @@ Per chunk n with start state S_n, the forward is ``D_n = u_n - w_n S_n`` (D = v 
 ``O_n = P_n D_n + q_g S_n``, ``S_{n+1} = g_n S_n + k_dec^T D_n``. With ``dh_n`` the adjoint of S_{n+1}:
 
     dD_n = P_n^T dO_n + k_dec dh_n,     dh_{n-1} = q_g^T dO_n + g_n dh_n - w_n^T dD_n
+                                                 = M_n^T dh_n + R_n,   R_n = q_g^T dO_n - w_n^T P_n^T dO_n
 
 Kernels, in order:
-1. forward pieces again: ``ssd.ut_call`` (w, u), ``ssd.state_call`` (chunk states h_n, D_n);
-2. ``ssd.output_call(transpose=True)``: P^T dO for every chunk (parallel);
+1. the forward's precompute and state pass again (w, u, M, H; chunk start states h_n, and D_n in the
+   two-product form);
+2. ``_dout_kernel`` (parallel): P^T dO for every chunk, and R_n in the transition form;
 3. ``_reverse_kernel``: the adjoint recurrence, sequential over chunks from the last (one program per
-   batch, head and dv block, the float32 adjoint in registers); writes dh_n, dD_n and d initial_state;
-4. ``_dqk_kernel`` (parallel): cotangents of P, q_g, w, k_dec and g from dO, D, dD, h, dh, then dq, the
-   P and k_dec parts of dk, dw, and log_alpha's gradient through those decays. Without beta it finishes dk
-   and d log_alpha, and dv is dD;
+   batch, head and dv block, the float32 adjoint in registers); writes dh_n and d initial_state, and dD_n
+   in the two-product form;
+4. ``_dqk_kernel`` (parallel): cotangents of P, q_g, w, k_dec and g from dO, D, dD, h, dh (D and dD formed
+   here in the transition form), then dq, the P and k_dec parts of dk, dw, and log_alpha's gradient through
+   those decays. Without beta it finishes dk and d log_alpha, and dv is dD;
 5. ``_wy_kernel`` (with beta, parallel): the UT transform's reverse mode (T again from k, beta,
    log_alpha): dv, dbeta, the rest of dk and d log_alpha.
 Every output element is written by exactly one program (no atomics): the backward is deterministic.
