@@ -24,19 +24,16 @@ log_alpha's gradient collects, per position, exactly the terms whose segment con
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from flashlax.kernels import ssd
-from flashlax.kernels.ssd import (F32, UT_BLOCK, Decays, Static, _cols, _sum, call, chunk_delta, chunk_rows,
-                                  chunk_vectors, delta_args, dot, load, load_square, load_vec, mm, named,
-                                  p_blocks, per_chunk_arg, per_chunk_out, seq_arg, seq_out, state_block, store,
-                                  store_state, store_vec, ut_blocks, vec_out, vec_spec)
+from flashlax.kernels._ssd_tiles import (F32, UT_BLOCK, Decays, Static, add_all, call, chunk_delta, chunk_rows,
+                                         chunk_vectors, col_bound, dot, load, load_square, load_vec, mat_spec, mm,
+                                         named, p_blocks, per_chunk_arg, per_chunk_out, seq_arg, seq_out,
+                                         state_block, store, store_state, store_vec, ut_blocks, vec_out, vec_spec)
 
 
 def _dout_kernel(*refs, names, st: Static):
@@ -46,7 +43,7 @@ def _dout_kernel(*refs, names, st: Static):
     sb = st.block()
     rows = chunk_rows(st, sb)
     nb = len(rows)
-    kcols, vcols = _cols(st.dk, st.dkp), _cols(st.dv, st.dvp)
+    kcols, vcols = col_bound(st.dk, st.dkp), col_bound(st.dv, st.dvp)
     q = [load(r["q"], row, sb, 0, st.dkp, st, kcols) for row in rows]
     k = [load(r["k"], row, sb, 0, st.dkp, st, kcols) for row in rows]
     dec = Decays([load_vec(r["la"], row, sb, st) for row in rows], sb, st)
@@ -58,13 +55,13 @@ def _dout_kernel(*refs, names, st: Static):
     bv = st.block_v()
     for c0 in range(0, st.dvp, bv):
         do = [load(r["do"], row, sb, c0, bv, st, vcols) for row in rows]
-        ddl = [_sum(dot(p[i, j], do[i], st, ta=True) for i in range(j, nb)) for j in range(nb)]
+        ddl = [add_all(dot(p[i, j], do[i], st, ta=True) for i in range(j, nb)) for j in range(nb)]
         for j in range(nb):
             store(r["ddl"], rows[j], c0, ddl[j], st)
         if st.transition:
-            rinc = _sum(dot(q_g[i], do[i], st, ta=True) for i in range(nb))
+            rinc = add_all(dot(q_g[i], do[i], st, ta=True) for i in range(nb))
             if st.has_beta:
-                rinc = rinc - _sum(dot(w[j], mm(ddl[j], st), st, ta=True) for j in range(nb))
+                rinc = rinc - add_all(dot(w[j], mm(ddl[j], st), st, ta=True) for j in range(nb))
             store_state(r["rinc"], row_m, c0, rinc, st)
 
 
@@ -76,7 +73,7 @@ def _reverse_kernel(*refs, names, st: Static):
     bv = st.state_block_v()
     col0 = pl.program_id(0) * bv
     c = st.chunk
-    kcols, vcols = _cols(st.dk, st.dkp), _cols(st.dv, st.dvp)
+    kcols, vcols = col_bound(st.dk, st.dkp), col_bound(st.dv, st.dvp)
 
     def body(i, adj):
         n = st.n_chunks - 1 - i
@@ -110,7 +107,7 @@ def _dqk_kernel(*refs, names, st: Static):
     rows = chunk_rows(st, sb)
     nb = len(rows)
     pairs = [(i, j) for i in range(nb) for j in range(i + 1)]
-    kcols, vcols = _cols(st.dk, st.dkp), _cols(st.dv, st.dvp)
+    kcols, vcols = col_bound(st.dk, st.dkp), col_bound(st.dv, st.dvp)
     q = [load(r["q"], row, sb, 0, st.dkp, st, kcols) for row in rows]
     k = [load(r["k"], row, sb, 0, st.dkp, st, kcols) for row in rows]
     dec = Decays([load_vec(r["la"], row, sb, st) for row in rows], sb, st)
@@ -153,9 +150,9 @@ def _dqk_kernel(*refs, names, st: Static):
         qk[i, j] = dot(q[i], k[j], st, tb=True)
         d_qk[i, j] = st.scale * d_p[i, j] * dec.G(i, j)        # d(q k^T) through P = scale (q k^T * G)
     for i in range(nb):
-        dq = (st.scale * gamma[i])[:, None] * d_qg[i] + _sum(dot(mm(d_qk[i, j], st), k[j], st) for j in range(i + 1))
+        dq = (st.scale * gamma[i])[:, None] * d_qg[i] + add_all(dot(mm(d_qk[i, j], st), k[j], st) for j in range(i + 1))
         store(r["dq"], rows[i], 0, dq, st, kcols)
-        dk = e_last[i][:, None] * d_kdec[i] + _sum(dot(mm(d_qk[m, i], st), q[m], st, ta=True) for m in range(i, nb))
+        dk = e_last[i][:, None] * d_kdec[i] + add_all(dot(mm(d_qk[m, i], st), q[m], st, ta=True) for m in range(i, nb))
         store(r["dk"], rows[i], 0, dk, st, None if st.has_beta else kcols)
         if st.has_beta:
             store(r["dw"], rows[i], 0, d_w[i], st)
@@ -177,7 +174,7 @@ def _wy_kernel(*refs, names, st: Static):
     rows = chunk_rows(st, sb)
     nb = len(rows)
     pairs = [(i, j) for i in range(nb) for j in range(i + 1)]
-    kcols, vcols = _cols(st.dk, st.dkp), _cols(st.dv, st.dvp)
+    kcols, vcols = col_bound(st.dk, st.dkp), col_bound(st.dv, st.dvp)
     beta = [load_vec(r["beta"], row, sb, st) for row in rows]
     k = [load(r["k"], row, sb, 0, st.dkp, st, kcols) for row in rows]
     dec = Decays([load_vec(r["la"], row, sb, st) for row in rows], sb, st)
@@ -186,14 +183,14 @@ def _wy_kernel(*refs, names, st: Static):
     gamma = [dec.gamma(i) for i in range(nb)]
     dw = [mm(load(r["dw"], row, sb, 0, st.dkp, st), st) for row in rows]
     w = [load(r["w"], row, sb, 0, st.dkp, st) for row in rows]
-    d_bgk = [_sum(dot(t[i, j], dw[i], st, ta=True) for i in range(j, nb)) for j in range(nb)]
+    d_bgk = [add_all(dot(t[i, j], dw[i], st, ta=True) for i in range(j, nb)) for j in range(nb)]
     d_a = {(i, j): -dot(mm(d_bgk[i], st), w[j], st, tb=True) for i, j in pairs}
     dbeta = [jnp.zeros((sb,), F32)] * nb
     bv = st.block_v()
     for c0 in range(0, st.dvp, bv):
         du = [mm(load(r["dd"], row, sb, c0, bv, st), st) for row in rows]
         u = [load(r["u"], row, sb, c0, bv, st) for row in rows]
-        d_bv = [_sum(dot(t[i, j], du[i], st, ta=True) for i in range(j, nb)) for j in range(nb)]
+        d_bv = [add_all(dot(t[i, j], du[i], st, ta=True) for i in range(j, nb)) for j in range(nb)]
         for i, j in pairs:
             d_a[i, j] = d_a[i, j] - dot(mm(d_bv[i], st), u[j], st, tb=True)
         for i, row in enumerate(rows):
@@ -205,10 +202,10 @@ def _wy_kernel(*refs, names, st: Static):
     d_kk = {(i, j): d_a[i, j] * beta[i][:, None] * g[i, j] for i, j in pairs}
     for i, row in enumerate(rows):
         dbeta[i] = (dbeta[i] + gamma[i] * k_bgk[i]
-                    + _sum(jnp.sum(d_a[i, j] * kk[i, j] * g[i, j], axis=1) for j in range(i + 1)))
+                    + add_all(jnp.sum(d_a[i, j] * kk[i, j] * g[i, j], axis=1) for j in range(i + 1)))
         dk = ((beta[i] * gamma[i])[:, None] * d_bgk[i] + load(r["dk1"], row, sb, 0, st.dkp, st)
-              + _sum(dot(mm(d_kk[i, j], st), k[j], st) for j in range(i + 1))
-              + _sum(dot(mm(d_kk[m, i], st), k[m], st, ta=True) for m in range(i, nb)))
+              + add_all(dot(mm(d_kk[i, j], st), k[j], st) for j in range(i + 1))
+              + add_all(dot(mm(d_kk[m, i], st), k[m], st, ta=True) for m in range(i, nb)))
         store(r["dk"], row, 0, dk, st, kcols)
         store_vec(r["dbeta"], row, dbeta[i], st)
     d_exp = {key: d_kk[key] * kk[key] for key in pairs}
@@ -248,9 +245,9 @@ def reverse_call(st: Static, q, k, la, do, pre: dict, dout: dict, dfinal) -> dic
                       ddl=seq_arg(dout["ddl"], st, st.dvp))
         if st.has_beta:
             inputs["w"] = seq_arg(pre["w"], st, st.dkp)
-    inputs["dfinal"] = (dfinal, ssd.mat_spec(st.dkp, st.dvp))
+    inputs["dfinal"] = (dfinal, mat_spec(st.dkp, st.dvp))
     outputs = {"dh": per_chunk_out(st, bh, st.dvp),
-               "ds0": (jax.ShapeDtypeStruct(bh + (st.dk, st.dv), F32), ssd.mat_spec(st.dkp, st.dvp))}
+               "ds0": (jax.ShapeDtypeStruct(bh + (st.dk, st.dv), F32), mat_spec(st.dkp, st.dvp))}
     if not st.transition:
         outputs["dd"] = seq_out(st, bh, st.dvp, F32) if st.has_beta else seq_out(st, bh, st.dvp, do.dtype, st.dv)
     return call(_reverse_kernel, st, st.dvp // st.state_block_v(), inputs, outputs, sequential=True,
@@ -264,7 +261,7 @@ def dqk_call(st: Static, q, k, v, la, do, pre: dict, states: dict, dout: dict, r
     bh = q.shape[:2]
     inputs = dict(q=seq_arg(q, st, st.dkp), k=seq_arg(k, st, st.dkp), la=(la, vec_spec(st)),
                   do=seq_arg(do, st, st.dvp), h=per_chunk_arg(states["h"], st), dh=per_chunk_arg(rev["dh"], st),
-                  **delta_args(st, v, pre, states))
+                  **ssd.delta_args(st, v, pre, states))
     if "dd" in rev:
         if st.has_beta:
             inputs["dd"] = seq_arg(rev["dd"], st, st.dvp)
