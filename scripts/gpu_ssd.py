@@ -260,7 +260,8 @@ def time_end_to_end(label, shape, dtype, with_beta, modes, impls, interpret):
 
 
 def table():
-    lines = ["| shape | beta | mode | impl | ms | x chunked | max rel diff vs chunked |", "|---|---|---|---|---|---|---|"]
+    lines = ["| shape | beta | mode | impl | ms | x chunked | max rel diff vs chunked |",
+             "|---|---|---|---|---|---|---|"]
     for r in RESULTS["end_to_end"]:
         base = [x["ms"] for x in RESULTS["end_to_end"] if x["impl"] == "chunked" and
                 (x["shape"], x["beta"], x["mode"]) == (r["shape"], r["beta"], r["mode"])]

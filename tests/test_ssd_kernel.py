@@ -131,15 +131,21 @@ def test_low_precision_inputs(dtype, with_beta):
     assert_close(errors(ssd(32), inputs, seed=31), LOW_PRECISION_TOL[dtype])
 
 
-def test_deterministic_and_jit_vmap():
-    inputs = make_inputs(21, 1, 2, 77, 8, 24)          # the first CASE's shapes (compiled once)
-    cot = random_cotangents(inputs, 21)
+def deterministic_results(fn, inputs, seed):
+    """Output, final state and gradients of two identical calls, asserted bit-identical; returns them."""
+    cot = random_cotangents(inputs, seed)
     names = tuple(inputs)
-    run = _jitted_grads(ssd(32), names)
+    run = _jitted_grads(fn, names)
     first = jax.tree_util.tree_leaves(run(tuple(inputs[n] for n in names), cot))
     second = jax.tree_util.tree_leaves(run(tuple(inputs[n] for n in names), cot))
     for a, b in zip(first, second):
         assert np.array_equal(np.asarray(a), np.asarray(b))
+    return first, cot
+
+
+def test_deterministic_and_jit_vmap():
+    inputs = make_inputs(21, 1, 2, 77, 8, 24)          # the first CASE's shapes (compiled once)
+    deterministic_results(ssd(32), inputs, 21)
     # vmap over an extra leading axis under jit: the same as the unbatched calls
     names = ("q", "k", "v", "log_alpha", "beta", "initial_state")
     stacked = [jnp.stack([inputs[n], inputs[n][:, ::-1]]) for n in names]
@@ -206,13 +212,7 @@ def test_config_validation():
 def test_gpu_float32_deterministic_and_matches_chunked():
     inputs = make_inputs(11, 2, 2, 1000, 64, 64, la_lo=-2.0)
     assert_close(errors(ssd(64), inputs, seed=11), TOLERANCES["float32"])
-    cot = random_cotangents(inputs, 11)
-    names = tuple(inputs)
-    run = _jitted_grads(ssd(64), names)
-    first = jax.tree_util.tree_leaves(run(tuple(inputs[n] for n in names), cot))
-    second = jax.tree_util.tree_leaves(run(tuple(inputs[n] for n in names), cot))
-    for a, b in zip(first, second):
-        assert np.array_equal(np.asarray(a), np.asarray(b))
+    first, cot = deterministic_results(ssd(64), inputs, 11)
     with jax.numpy_rank_promotion("allow"):      # the XLA path is made rank-promotion clean by issue 13
         chunked = run_with_grads(functools.partial(gated_delta_rule, impl="chunked"), inputs, cot)
     for a, b in zip(first, jax.tree_util.tree_leaves(chunked)):

@@ -299,6 +299,13 @@ def col_bound(n: int, padded: int) -> int | None:
     return None if n == padded else n
 
 
+def sequential_program(st: Static):
+    """(dv columns per program, this program's first column, chunk size, dk and dv column bounds) of a
+    sequential kernel (grid axis 0: dv blocks)."""
+    bv = st.state_block_v()
+    return (bv, pl.program_id(0) * bv, st.chunk, col_bound(st.dk, st.dkp), col_bound(st.dv, st.dvp))
+
+
 def chunk_rows(st: Static, sb: int):
     """Absolute first rows of the sub-blocks of this program's chunk (program axis 0)."""
     base = pl.program_id(0) * st.chunk

@@ -249,12 +249,13 @@ class SSDConfig:
 def ssd_smem_bytes(config: SSDConfig, head_dim_k: int, head_dim_v: int, chunk: int, dtype) -> int:
     """Static estimate of the largest shared-memory need among the ssd kernels, bytes.
 
-    Sequential kernels: Triton's pipeliner buffers the [C, dk] tile that feeds the state product (w, or q in
-    the reverse pass; M_n [dk, dk] float32 in the transition form) once per stage; the other dot operands are staged once for their layout change: a
-    [C, dk] tile, the [dk, state_block_v] float32 state and a [C, state_block_v] float32 tile. Chunk kernels
-    (no pipelined loop): the operands of their largest dot, a [dk, block_v] float32 tile against a
-    [block, dk] one. Head dims padded to powers of two (at least 16). A heuristic in the spirit of
-    :func:`smem_bytes`, not yet compared with a compiled kernel's own number.
+    Sequential kernels: Triton's pipeliner buffers the tile that feeds the state product once per stage
+    ([C, dk] w, or q in the reverse pass; M_n [dk, dk] float32 in the transition form); the other dot
+    operands are staged once for their layout change: a [C, dk] tile, the [dk, state_block_v] float32 state
+    and a [C, state_block_v] float32 tile. Chunk kernels (no pipelined loop): the operands of their largest
+    dot, a [dk, block_v] float32 tile against a [block, dk] one. Head dims padded to powers of two (at least
+    16). A heuristic in the spirit of :func:`smem_bytes`, not yet compared with a compiled kernel's own
+    number.
     """
     item = jnp.dtype(dtype).itemsize
     dk, dv = max(16, _pow2(head_dim_k)), max(16, _pow2(head_dim_v))

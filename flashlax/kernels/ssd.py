@@ -41,7 +41,7 @@ from jax.experimental import pallas as pl
 from flashlax.kernels._ssd_tiles import (F32, UT_BLOCK, Decays, Static, add_all, call, chunk_delta, chunk_rows,
                                          chunk_vectors, col_bound, dot, iota, load, load_square, load_vec, mat_spec,
                                          mm, named, p_blocks, per_chunk_arg, per_chunk_out, seq_arg, seq_out,
-                                         state_block, store, store_state, ut_blocks, vec_spec)
+                                         sequential_program, state_block, store, store_state, ut_blocks, vec_spec)
 from flashlax.kernels.configs import SSDConfig, check_ssd_config, ssd_config
 
 
@@ -68,7 +68,8 @@ def _precompute_kernel(*refs, names, st: Static):
             store(r["w"], rows[i], 0, w[i], st)
         if st.transition:
             eye = jnp.where(iota((st.dkp, st.dkp), 0) == iota((st.dkp, st.dkp), 1), dec.chunk_decay(), 0.0)
-            store_state(r["m"], row_m, 0, eye - add_all(dot(k_dec[i], mm(w[i], st), st, ta=True) for i in range(nb)), st)
+            kw = add_all(dot(k_dec[i], mm(w[i], st), st, ta=True) for i in range(nb))
+            store_state(r["m"], row_m, 0, eye - kw, st)
     bv = st.block_v()
     for c0 in range(0, st.dvp, bv):
         x = [load(r["v"], row, sb, c0, bv, st, col_bound(st.dv, st.dvp)).astype(F32) for row in rows]
@@ -87,10 +88,7 @@ def _state_kernel(*refs, names, st: Static):
     S <- g S + H_n) or D = u - w S (stored as "d" when asked; D = v without beta), S <- g S + k_dec^T D.
     Writes the final state."""
     r = named(refs, names)
-    bv = st.state_block_v()
-    col0 = pl.program_id(0) * bv
-    c = st.chunk
-    kcols, vcols = col_bound(st.dk, st.dkp), col_bound(st.dv, st.dvp)
+    bv, col0, c, kcols, vcols = sequential_program(st)
 
     def body(n, s):
         r0, row_m = n * c, n * st.dkp

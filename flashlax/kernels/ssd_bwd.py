@@ -33,7 +33,8 @@ from flashlax.kernels import ssd
 from flashlax.kernels._ssd_tiles import (F32, UT_BLOCK, Decays, Static, add_all, call, chunk_delta, chunk_rows,
                                          chunk_vectors, col_bound, dot, load, load_square, load_vec, mat_spec, mm,
                                          named, p_blocks, per_chunk_arg, per_chunk_out, seq_arg, seq_out,
-                                         state_block, store, store_state, store_vec, ut_blocks, vec_out, vec_spec)
+                                         sequential_program, state_block, store, store_state, store_vec,
+                                         ut_blocks, vec_out, vec_spec)
 
 
 def _dout_kernel(*refs, names, st: Static):
@@ -70,10 +71,7 @@ def _reverse_kernel(*refs, names, st: Static):
     adjoint of S_{n+1}), then adj <- M_n^T adj + R_n (``st.transition``; without beta g adj + R_n), or
     dD = P^T dO + k_dec adj (stored; without beta it is dv), adj <- q_g^T dO + g adj - w^T dD."""
     r = named(refs, names)
-    bv = st.state_block_v()
-    col0 = pl.program_id(0) * bv
-    c = st.chunk
-    kcols, vcols = col_bound(st.dk, st.dkp), col_bound(st.dv, st.dvp)
+    bv, col0, c, kcols, vcols = sequential_program(st)
 
     def body(i, adj):
         n = st.n_chunks - 1 - i
