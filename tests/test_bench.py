@@ -371,3 +371,13 @@ def test_input_rotation_exceeds_l2_on_gpu():
     assert len(sets) == 4 and [s[0] for s in sets] == [0, 1, 2, 3]  # fresh inputs per copy
     assert len(harness.input_copies(make, 50 * 2**20, gpu=True)) * 50 * 2**20 > 2 * harness.L2_BYTES
     assert len(harness.input_copies(make, 500 * 2**20, gpu=True)) == 1
+
+
+def test_quick_parity_includes_ssd():
+    """--quick on a GPU compares ssd with the CPU fallback whether or not it is the GPU default."""
+    from flashlax import dispatch
+    from flashlax.bench import quick
+    pairs = quick.parity_pairs("gated_delta_rule")
+    assert ("ssd", "chunked") in pairs or ("ssd", dispatch.default_impl("gated_delta_rule", "cpu")) in pairs
+    assert pairs[0] == (dispatch.default_impl("gated_delta_rule", "gpu"), dispatch.default_impl("gated_delta_rule", "cpu"))
+    assert len(set(pairs)) == len(pairs)

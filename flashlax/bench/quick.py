@@ -198,21 +198,30 @@ def _run_on(device, fn, impl, inputs, cot):
         return np.asarray(out), [np.asarray(g) for g in grads]
 
 
+def parity_pairs(op: str) -> list[tuple[str, str]]:
+    """(GPU impl, CPU impl) pairs compared by :func:`parity`: the two defaults, and every Pallas kernel of
+    the op that is not the GPU default against the CPU default (ssd against chunked while chunked is the
+    GPU default)."""
+    gpu_impl, cpu_impl = dispatch.default_impl(op, "gpu"), dispatch.default_impl(op, "cpu")
+    kernels = [name for name, entry in dispatch.TABLE[op].items()
+               if entry.kind == "pallas" and entry.target is not None and name != gpu_impl]
+    return [(gpu_impl, cpu_impl)] + [(name, cpu_impl) for name in kernels]
+
+
 def parity(gpu_device, cpu_device) -> list[dict]:
     rows = []
     for op, fn, inputs, cot in _parity_cases():
-        gpu_impl = dispatch.default_impl(op, "gpu")
-        cpu_impl = dispatch.default_impl(op, "cpu")
-        row: dict[str, Any] = {"op": op, "gpu_impl": gpu_impl, "cpu_impl": cpu_impl}
-        try:
-            gpu_out, gpu_grads = _run_on(gpu_device, fn, gpu_impl, inputs, cot)
-            cpu_out, cpu_grads = _run_on(cpu_device, fn, cpu_impl, inputs, cot)
-            row["rel_diff"] = harness.rel_err(gpu_out, cpu_out)
-            if gpu_grads is not None:
-                row["rel_diff_grads"] = max(harness.rel_err(g, c) for g, c in zip(gpu_grads, cpu_grads))
-        except Exception as exc:
-            row["error"] = harness.error_text(exc)
-        rows.append(row)
+        for gpu_impl, cpu_impl in parity_pairs(op):
+            row: dict[str, Any] = {"op": op, "gpu_impl": gpu_impl, "cpu_impl": cpu_impl}
+            try:
+                gpu_out, gpu_grads = _run_on(gpu_device, fn, gpu_impl, inputs, cot)
+                cpu_out, cpu_grads = _run_on(cpu_device, fn, cpu_impl, inputs, cot)
+                row["rel_diff"] = harness.rel_err(gpu_out, cpu_out)
+                if gpu_grads is not None:
+                    row["rel_diff_grads"] = max(harness.rel_err(g, c) for g, c in zip(gpu_grads, cpu_grads))
+            except Exception as exc:
+                row["error"] = harness.error_text(exc)
+            rows.append(row)
     return rows
 
 
@@ -253,7 +262,7 @@ def main(args) -> int:
                 "\n## Timing (median ms, x fastest peer; interpreted rows are not timings)\n",
                 report.summary_table([r for r in rows if "error" not in r and not r.get("interpret")])]
     if gpu:
-        sections += ["\n## GPU vs CPU parity (same inputs; GPU default impl vs CPU fallback, float32)\n",
+        sections += ["\n## GPU vs CPU parity (same inputs; GPU default impl and other GPU kernels vs CPU fallback, float32)\n",
                      parity_table(parity_rows)]
     text = "\n".join(sections)
     print("\n" + text)
