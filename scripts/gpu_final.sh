@@ -1,31 +1,35 @@
 #!/usr/bin/env bash
-# One device call: the gpu-marked tests and the benchmark suites on the GPU, in the order given as
-# arguments (default: tests prefill decode linear; also: prefill4k, prefill16k, dims, quick), each step time-boxed (T_<STEP> seconds), every log and
-# JSON written under $OUT as it goes, so a cut-off run still returns what finished.
+# One device call: the gpu-marked tests and the benchmark suites on the GPU, in the order given as arguments
+# (default: tests decode linear quick; also: prefill4k, prefill16k, dims, paged), each step time-boxed
+# (T_<STEP> seconds), every log and JSON written under $OUT as it goes, so a cut-off run keeps what finished.
 set -u
 export PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
-step() { local secs=$1 name=$2; shift 2; echo "=== $name"; timeout "$secs" "$@" > "$OUT/$name.log" 2>&1; echo "rc=$?"; tail -n 30 "$OUT/$name.log"; }
-steps=${*:-tests prefill decode linear}
+step() { local secs=$1 name=$2; shift 2; echo "=== $name"; local t0=$SECONDS
+         timeout "$secs" "$@" > "$OUT/$name.log" 2>&1; echo "rc=$? ($((SECONDS - t0)) s)"; tail -n 25 "$OUT/$name.log"; }
+steps=${*:-tests decode linear quick}
 for s in $steps; do
   case $s in
-    tests) step "${T_TESTS:-150}" gpu_tests python3 -m pytest -m gpu -q -p no:cacheprovider tests ;;
+    # compiles dominate: 8 pytest workers share the GPU and the host's cores
+    tests) step "${T_TESTS:-190}" gpu_tests python3 -m pytest -m gpu -q -n "${TEST_WORKERS:-8}" -p no:cacheprovider tests ;;
     prefill|prefill4k|prefill16k)  # one process per shape, so a time-out keeps the shapes that finished
       for shape in "2 4096" "1 16384"; do
         set -- $shape
         case $s in prefill4k) [ "$2" = 4096 ] || continue ;; prefill16k) [ "$2" = 16384 ] || continue ;; esac
         step "${T_PREFILL:-300}" "prefill_$2" python3 -m flashlax.bench --suite prefill --device gpu --batch "$1" \
-          --lengths "$2" --impls ${PREFILL_IMPLS:-flex_native jax_cudnn torch_sdpa torch_flex jax_pallas_mha} \
+          --lengths "$2" --impls ${PREFILL_IMPLS:-pallas jax_cudnn torch_sdpa torch_flex jax_pallas_mha} \
           --repeats 5 --output "$OUT/prefill_$2.json"
       done ;;
     dims) step "${T_DIMS:-150}" dims python3 -m flashlax.bench --suite prefill --device gpu --batch 2 --lengths 4096 \
-            --dims 64 256 --masks causal full --impls flex_native jax_cudnn torch_sdpa torch_flex --repeats 5 \
+            --dims 64 256 --masks causal full --impls pallas jax_cudnn torch_sdpa torch_flex --repeats 5 \
             --output "$OUT/dims.json" ;;
-    quick) step "${T_QUICK:-120}" quick python3 -m flashlax.bench --quick --output "$OUT/quick.json" ;;
-    decode) step "${T_DECODE:-45}" decode python3 -m flashlax.bench --suite decode --device gpu --repeats 5 \
+    quick) step "${T_QUICK:-100}" quick python3 -m flashlax.bench --quick --output "$OUT/quick.json" ;;
+    decode) step "${T_DECODE:-60}" decode python3 -m flashlax.bench --suite decode --device gpu --repeats 5 \
               --output "$OUT/decode.json" ;;
-    linear) step "${T_LINEAR:-30}" linear python3 -m flashlax.bench --suite linear --device gpu --lengths 2048 \
-              --impls chunked chunked_fat ssd --repeats 3 --output "$OUT/linear.json" ;;
+    linear) step "${T_LINEAR:-120}" linear python3 -m flashlax.bench --suite linear --device gpu --lengths 2048 8192 \
+              --dims 64 128 --impls recurrent chunked chunked_fat ssd --max-recurrent-seq 2048 --ref-max-seq 2048 \
+              --repeats 3 --output "$OUT/linear.json" ;;
+    paged) step "${T_PAGED:-100}" paged python3 scripts/gpu_paged.py --out "$OUT/paged.json" ;;
   esac
 done

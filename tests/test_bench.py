@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import flashlax
-from flashlax.bench import cli, harness, report
+from flashlax.bench import cli, harness, quick, report, schema
 
 from conftest import TOLERANCES, rel_err as conftest_rel_err
 
@@ -34,11 +34,10 @@ SHAPE_RE = re.compile(r"^[a-z0-9]+\[[0-9, ]*\]$")
 TINY = ["--batch", "1", "--heads", "2", "--dims", "8", "--repeats", "2", "--min-sample-s", "0.002"]
 SUITE_ARGS = {
     "linear": ["--lengths", "40", "--impls", "recurrent", "chunked", "ssd"],
-    "gqa": ["--kv-heads", "1", "--lengths", "40", "--impls", "flex_native", "jax_xla", "flex_pallas",
-            "--masks", "causal"],
-    "prefill": ["--kv-heads", "1", "--lengths", "48", "--impls", "flex_native", "jax_xla", "--masks", "full",
+    "gqa": ["--kv-heads", "1", "--lengths", "40", "--impls", "xla", "jax_xla", "pallas", "--masks", "causal"],
+    "prefill": ["--kv-heads", "1", "--lengths", "48", "--impls", "xla", "jax_xla", "--masks", "full",
                 "document", "--modes", "fwd"],
-    "decode": ["--kv-heads", "1", "--lengths", "96", "--q-lens", "3", "--impls", "flex_native", "jax_xla"],
+    "decode": ["--kv-heads", "1", "--lengths", "96", "--q-lens", "3", "--impls", "xla", "jax_xla"],
 }
 
 
@@ -118,10 +117,13 @@ def test_schema(runs, suite):
     assert rows
     for row in rows:
         _check_row(suite, row)
+        if row["impl"] not in ("jax_xla", "jax_cudnn", "torch_sdpa", "torch_flex", "jax_pallas_mha"):
+            assert row["impl"] in flashlax.dispatch.TABLE[row["op"]], row   # the dispatcher's own names
+    assert schema.validate(data) == []
     # The jax peer always runs; flashlax's own default path must run once its op is written.
     working = {"jax_xla"} if suite != "linear" else {"recurrent"}
     if _op_works(suite):
-        working |= {"flex_native"} if suite != "linear" else {"chunked"}
+        working |= {"xla"} if suite != "linear" else {"chunked"}
     for row in rows:
         if row["impl"] in working:
             assert "error" not in row, row
@@ -141,7 +143,7 @@ def test_linear_rows_shapes_and_arg_bytes(runs):
 
 def test_gpu_kernels_give_error_rows_on_cpu(runs):
     ssd = [r for r in runs["linear"]["results"] if r["impl"] == "ssd"]
-    pallas = [r for r in runs["gqa"]["results"] if r["impl"] == "flex_pallas"]
+    pallas = [r for r in runs["gqa"]["results"] if r["impl"] == "pallas"]
     assert len(ssd) == 2 and len(pallas) == 2
     for row in ssd:
         assert row["error"] == "RuntimeError: ssd requires an accelerator backend."
@@ -151,11 +153,11 @@ def test_gpu_kernels_give_error_rows_on_cpu(runs):
 
 def test_prefill_flex_masks_and_decode_num_splits(runs):
     prefill = runs["prefill"]["results"]
-    assert {r["mask"] for r in prefill if r["impl"] == "flex_native"} == {"full", "document"}
+    assert {r["mask"] for r in prefill if r["impl"] == "xla"} == {"full", "document"}
     assert {r["mask"] for r in prefill if r["impl"] == "jax_xla"} == {"full"}  # flex-only mask: no peer row
     for row in runs["decode"]["results"]:
         assert row["lq"] == 3 and row["lkv"] == 96
-        if row["impl"] == "flex_native" and "error" not in row:  # the split count the op chose
+        if row["impl"] == "xla" and "error" not in row:  # the split count the op chose
             assert isinstance(row["num_splits"], int) and 1 <= row["num_splits"] <= row["lkv"], row
 
 
@@ -238,7 +240,7 @@ def test_report_table_and_png(tmp_path, capsys):
     path.write_text(json.dumps(_synthetic({"flex_native": 2.0, "jax_xla": 5.0})))
     assert cli.main(["--report", str(path)]) == 0
     out = capsys.readouterr().out
-    assert "| flex_native | jax_xla | flex_pallas |" in out
+    assert "| xla | jax_xla | pallas |" in out     # legacy names of an old file read as the dispatcher's
     assert "2 (1.00) | 5 (2.50) | error |" in out  # ratio to the fastest peer of that shape
     png = tmp_path / "r.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
@@ -267,9 +269,71 @@ def test_module_entry_point_writes_file(tmp_path):
     assert len(rows) == 1 and rows[0]["rel_err"] < TOLERANCES["float32"]
 
 
+def test_exit_status_and_one_line_reasons(tmp_path, capsys):
+    """Unknown impls are refused before running; a missing or malformed results file is exit 2 with one
+    line (no traceback); a row whose implementation raised makes the run exit 1."""
+    with pytest.raises(SystemExit, match="unknown impl"):
+        cli.main(["--suite", "decode", *TINY, "--lengths", "64", "--q-lens", "1", "--impls", "nope"])
+    assert cli.main(["--report", str(tmp_path / "missing.json")]) == 2
+    assert "no such results file" in capsys.readouterr().err
+    (tmp_path / "bad.json").write_text("{not json")
+    assert cli.main(["--report", str(tmp_path / "bad.json")]) == 2
+    err = capsys.readouterr().err
+    assert "not JSON" in err and "Traceback" not in err
+    rows = [{"impl": "xla", "error": "TypeError: broken"}, {"impl": "pallas", "error": "RuntimeError: needs a GPU"}]
+    assert [r["impl"] for r in cli.failed_rows(rows)] == ["xla"]
+
+
+_QUICK_CONFIGS = quick.configs
+
+
+def _tiny_quick_configs(gpu, interpret, torch_available):
+    """The main job's suites at the smallest shapes (for a fast end-to-end test)."""
+    cfgs = _QUICK_CONFIGS(gpu, interpret, torch_available)
+    cfgs["linear"].update(seq_lens=[40], dims=[8], heads=[1], impls=["chunked", "recurrent"])
+    cfgs["gqa"].update(seq_lens=[24], dims=[8], impls=["xla", "pallas", "jax_xla"], masks=["causal"])
+    cfgs["decode"].update(kv_lens=[64], dims=[8], q_lens=[2], impls=["xla", "jax_xla"])
+    return cfgs
+
+
+def test_main_job_writes_json_md_png(tmp_path, monkeypatch, capsys):
+    """The main job (--quick) on CPU writes the results JSON (valid schema), the markdown report and the
+    PNG next to --output and names them; interpreted Pallas rows are marked, not timed."""
+    monkeypatch.setattr(quick, "configs", _tiny_quick_configs)
+    path = tmp_path / "quick-cpu.json"
+    assert cli.main(["--quick", "--output", str(path)]) == 0
+    out = capsys.readouterr().out
+    data = json.loads(path.read_text())
+    assert schema.validate(data) == []
+    assert {r["suite"] for r in data["results"]} == {"linear", "gqa", "decode"}
+    interpreted = [r for r in data["results"] if r.get("interpret")]
+    assert interpreted and all(r["impl"] == "pallas" for r in interpreted)
+    md = (tmp_path / "quick-cpu.md").read_text()
+    assert "pallas (interpreted: correctness only)" in md and "| pallas |" not in md.split("## Timing")[1]
+    assert (tmp_path / "quick-cpu.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"wrote {path}" in out
+    assert quick.default_output("cpu").startswith(os.path.join("results", "quick-cpu-"))
+
+
+def test_main_job_exits_nonzero_on_a_failing_row(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(quick, "configs", _tiny_quick_configs)
+    real = quick.suites.run_suite
+
+    def with_wrong_row(suite, cfg):
+        rows = real(suite, cfg)
+        if suite == "linear":
+            rows[0] = dict(rows[0], rel_err=0.5)       # a wrong result of flashlax's chunked path
+        return rows
+
+    monkeypatch.setattr(quick.suites, "run_suite", with_wrong_row)
+    assert cli.main(["--quick", "--output", str(tmp_path / "q.json")]) == 1
+    assert "FAILED" in capsys.readouterr().out
+    assert (tmp_path / "q.json").exists()
+
+
 @pytest.mark.slow
 def test_quick_main_job(tmp_path):
-    """The main job end to end (about a minute on 2 cores)."""
+    """The main job end to end at its real shapes (about a minute on 2 cores)."""
     path = tmp_path / "quick.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-m", "flashlax.bench", "--quick", "--output", str(path)],
@@ -278,20 +342,19 @@ def test_quick_main_job(tmp_path):
     assert "Error against the float64 reference" in proc.stdout
     data = json.loads(path.read_text())
     assert {r["suite"] for r in data["results"]} == {"linear", "gqa", "decode"}
+    assert schema.validate(data) == []
 
 
 def test_quick_verdicts():
     """--quick fails the job on a wrong flashlax result or crash, not on unavailable kernels or peers."""
-    from flashlax.bench import quick
-
     base = {"suite": "gqa", "mode": "fwd", "dtype": "float32"}
-    assert quick._verdict({**base, "impl": "flex_xla", "rel_err": 1e-7}) == "ok"
-    assert quick._verdict({**base, "impl": "flex_xla", "rel_err": 1e-3}) == "FAIL"
-    assert quick._verdict({**base, "impl": "flex_xla", "rel_err": "inf"}) == "FAIL"
+    assert quick._verdict({**base, "impl": "xla", "rel_err": 1e-7}) == "ok"
+    assert quick._verdict({**base, "impl": "xla", "rel_err": 1e-3}) == "FAIL"
+    assert quick._verdict({**base, "impl": "xla", "rel_err": "inf"}) == "FAIL"
     assert quick._verdict({**base, "impl": "jax_xla", "rel_err": 1e-3}) == "peer above tolerance"
     assert quick._verdict({**base, "impl": "ssd", "error": "RuntimeError: ssd requires an accelerator backend."}) \
         == "unavailable"
-    assert quick._verdict({**base, "impl": "flex_xla", "error": "TypeError: bad"}) == "FAIL"
+    assert quick._verdict({**base, "impl": "xla", "error": "TypeError: bad"}) == "FAIL"
     assert quick._verdict({**base, "impl": "torch_sdpa", "error": "TypeError: bad"}) == "peer error"
 
 
@@ -308,3 +371,13 @@ def test_input_rotation_exceeds_l2_on_gpu():
     assert len(sets) == 4 and [s[0] for s in sets] == [0, 1, 2, 3]  # fresh inputs per copy
     assert len(harness.input_copies(make, 50 * 2**20, gpu=True)) * 50 * 2**20 > 2 * harness.L2_BYTES
     assert len(harness.input_copies(make, 500 * 2**20, gpu=True)) == 1
+
+
+def test_quick_parity_includes_ssd():
+    """--quick on a GPU compares ssd with the CPU fallback whether or not it is the GPU default."""
+    from flashlax import dispatch
+    from flashlax.bench import quick
+    pairs = quick.parity_pairs("gated_delta_rule")
+    assert ("ssd", "chunked") in pairs or ("ssd", dispatch.default_impl("gated_delta_rule", "cpu")) in pairs
+    assert pairs[0] == (dispatch.default_impl("gated_delta_rule", "gpu"), dispatch.default_impl("gated_delta_rule", "cpu"))
+    assert len(set(pairs)) == len(pairs)

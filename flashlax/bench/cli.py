@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--suite", choices=SUITE_CHOICES, default=None)
     p.add_argument("--device", choices=("cpu", "gpu"), default=None,
                    help="backend to run on (default: the present one; cpu forces JAX onto the CPU)")
-    p.add_argument("--output", help="results JSON file (schema of shared/seeds)")
+    p.add_argument("--output", help="results JSON file (schema: docs/API.md, Benchmarks)")
     p.add_argument("--batch", nargs="+", type=_list(int))
     p.add_argument("--heads", nargs="+", type=_list(int), help="heads (linear) or query heads (attention)")
     p.add_argument("--kv-heads", nargs="+", type=_list(int))
@@ -45,8 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dims", nargs="+", type=_list(int), help="dk = dv (linear) or head dim (attention)")
     p.add_argument("--dtypes", nargs="+", type=_list(str))
     p.add_argument("--impls", nargs="+", type=_list(str),
-                   help="linear: recurrent chunked chunked_fat ssd; attention: flex_native flex_repeat "
-                        "flex_xla flex_pallas jax_xla jax_cudnn torch_sdpa; decode also decode_<impl>")
+                   help="the dispatcher's names and the peers: linear: recurrent chunked chunked_fat ssd; gqa / "
+                        "prefill: xla repeat pallas jax_xla jax_cudnn torch_sdpa torch_flex jax_pallas_mha; "
+                        "decode: xla pallas repeat jax_xla jax_cudnn torch_sdpa")
     p.add_argument("--modes", nargs="+", type=_list(str), help="fwd fwd_bwd")
     p.add_argument("--masks", nargs="+", type=_list(str), help="gqa/prefill: full causal sliding_window document")
     p.add_argument("--chunk-sizes", nargs="+", type=_list(int))
@@ -95,6 +96,13 @@ def suite_config(suite: str, args, gpu: bool) -> dict[str, Any]:
     for mode in cfg["modes"]:
         if mode not in ("fwd", "fwd_bwd"):
             raise SystemExit(f"--modes: unknown mode {mode!r}; valid: fwd fwd_bwd")
+    from flashlax.bench import peers  # noqa: PLC0415
+
+    cfg["impls"] = [peers.canonical_impl(i, suites.suite_op(suite), "gpu" if gpu else "cpu") for i in cfg["impls"]]
+    unknown = [i for i in cfg["impls"] if i not in suites.valid_impls(suite)]
+    if unknown:
+        raise SystemExit(f"--impls: unknown impl(s) {', '.join(unknown)} for the {suite} suite; valid: "
+                         f"{' '.join(suites.valid_impls(suite))}")
     cfg["repeats"] = args.repeats
     cfg["min_sample_s"] = args.min_sample_s if args.min_sample_s is not None else (0.02 if gpu else 0.05)
     cfg["max_dense_gb"] = args.max_dense_gb
@@ -151,6 +159,14 @@ def run(args) -> dict[str, Any]:
     return data
 
 
+def failed_rows(rows: list[dict]) -> list[dict]:
+    """Rows whose implementation raised, except where it is merely unavailable here (no GPU, no torch,
+    a dense peer too large for memory)."""
+    from flashlax.bench.report import UNAVAILABLE  # noqa: PLC0415
+
+    return [r for r in rows if "error" in r and not r["error"].startswith(UNAVAILABLE)]
+
+
 def write(data: dict, path: str) -> None:
     from flashlax.bench.harness import json_safe  # noqa: PLC0415
 
@@ -165,7 +181,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.report:
         from flashlax.bench import report  # noqa: PLC0415
 
-        data = report.load(args.report)
+        if not os.path.isfile(args.report):
+            print(f"python -m flashlax.bench: error: --report: no such results file: {args.report}", file=sys.stderr)
+            return 2
+        try:
+            data = report.load(args.report)
+        except ValueError as exc:
+            print(f"python -m flashlax.bench: error: --report: {exc}", file=sys.stderr)
+            return 2
         print(report.report_table(data))
         png = args.plot or os.path.splitext(args.report)[0] + ".png"
         print(f"\nplot: {report.plot(data, png)}")
@@ -174,6 +197,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from flashlax.bench import report  # noqa: PLC0415
 
         a, b = args.compare
+        for path in (a, b):
+            if not os.path.isfile(path):
+                print(f"python -m flashlax.bench: error: --compare: no such results file: {path}", file=sys.stderr)
+                return 2
         print(report.compare_table(report.load(a), report.load(b), os.path.basename(a), os.path.basename(b)))
         return 0
     if args.quick:
@@ -183,5 +210,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return quick.main(args)
     if args.suite is None:
         build_parser().error("give --suite (or --quick, --report, --compare)")
-    run(args)
+    failed = failed_rows(run(args)["results"])
+    if failed:
+        names = ", ".join(sorted({f"{r['impl']} ({r['error'].split(':')[0]})" for r in failed}))
+        print(f"python -m flashlax.bench: {len(failed)} row(s) failed: {names}", file=sys.stderr)
+        return 1
     return 0

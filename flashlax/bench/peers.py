@@ -205,37 +205,53 @@ def torch_sync(torch_device: str):
 # flashlax's own paths
 
 
-def flex_runner(name: str, *, mask_mod=None, block_mask=None, scale: float | None = None,
+# Names of flashlax's implementations before they were the dispatcher's own (seed files, old commands):
+# accepted on the command line and when loading old results, never written.
+LEGACY_NAMES = {"flex_native": ("flex_attention", None), "flex_repeat": ("flex_attention", "repeat"),
+                "flex_xla": ("flex_attention", "xla"), "flex_pallas": ("flex_attention", "pallas"),
+                "decode_xla": ("decode_attention", "xla"), "decode_pallas": ("decode_attention", "pallas")}
+
+
+def canonical_impl(name: str, op: str, backend: str | None = None) -> str:
+    """The dispatcher's name for ``name``: a legacy name (``flex_native`` = the backend's default) is
+    translated, anything else is returned as it is (op names are checked where runners are made)."""
+    legacy = LEGACY_NAMES.get(name)
+    if legacy is None:
+        return name
+    legacy_op, impl = legacy
+    if name == "flex_native":
+        return dispatch.default_impl(op, backend)  # the op's default path on the backend
+    return impl
+
+
+def flex_runner(impl: str, *, mask_mod=None, block_mask=None, scale: float | None = None,
                 interpret: bool = False) -> Runner:
-    """``flex_native`` (the backend's default path), ``flex_repeat``, or ``flex_<impl>`` for any impl."""
-    impl = None if name == "flex_native" else name.removeprefix("flex_")
+    """flashlax.flex_attention with one implementation by its dispatcher name (xla, repeat, pallas)."""
 
     def fn(q, k, v):
         return flashlax.flex_attention(q, k, v, mask_mod=mask_mod, block_mask=block_mask, scale=scale,
                                        impl=impl, interpret=interpret)
 
-    return Runner(name, fn, extra={"interpret": True} if interpret else {})
+    return Runner(impl, fn, extra={"op": "flex_attention", **({"interpret": True} if interpret else {})})
 
 
-def decode_runner(name: str, *, scale: float | None = None, interpret: bool = False) -> Runner:
-    """``flex_native`` = decode_attention's default impl, or ``decode_<impl>`` for one impl by name."""
-    impl = None if name == "flex_native" else name.removeprefix("decode_")
+def decode_runner(impl: str, *, scale: float | None = None, interpret: bool = False) -> Runner:
+    """flashlax.decode_attention with one implementation by its dispatcher name (xla, pallas)."""
 
     def fn(q, k_cache, v_cache):
         return flashlax.decode_attention(q, k_cache, v_cache, scale=scale, impl=impl, interpret=interpret)
 
-    return Runner(name, fn, extra={"interpret": True} if interpret else {})
+    return Runner(impl, fn, extra={"op": "decode_attention", **({"interpret": True} if interpret else {})})
 
 
-def chosen_num_splits(impl: str | None, batch: int, kv_heads: int, max_len: int) -> int | None:
+def chosen_num_splits(impl: str, batch: int, kv_heads: int, max_len: int) -> int | None:
     """The num_splits decode_attention picks when ``num_splits=None``: ``choose_num_splits(batch, kv_heads,
     max_len)`` of the module that implements ``impl`` (default: the backend's), else of the XLA fallback;
     None when neither exposes one."""
     import importlib  # noqa: PLC0415
 
-    name = impl or dispatch.default_impl("decode_attention")
     modules = []
-    entry = dispatch.TABLE["decode_attention"].get(name)
+    entry = dispatch.TABLE["decode_attention"].get(impl)
     if entry is not None and entry.target:
         modules.append(entry.target.partition(":")[0])
     modules.append("flashlax.fallbacks.decode")
@@ -254,8 +270,4 @@ def linear_runner(name: str, *, chunk_size: int, interpret: bool = False) -> Run
         return flashlax.gated_delta_rule(q, k, v, log_alpha, beta, chunk_size=chunk_size, impl=name,
                                          interpret=interpret)
 
-    return Runner(name, fn, extra={"interpret": True} if interpret else {})
-
-
-def default_backend_impl(op: str) -> str:
-    return dispatch.default_impl(op)
+    return Runner(name, fn, extra={"op": "gated_delta_rule", **({"interpret": True} if interpret else {})})

@@ -9,17 +9,36 @@ from collections import defaultdict
 from typing import Any, Iterable
 
 # Fields that belong to the measurement or the implementation, not to the shape of a row.
-_NOT_SHAPE = {"impl", "interpret", "window", "documents", "mode", "suite", "error", "note", "num_splits", "residual_note", "compile_s", "inner",
+_NOT_SHAPE = {"impl", "op", "interpret", "window", "documents", "mode", "suite", "error", "note", "num_splits", "residual_note", "compile_s", "inner",
               "median_ms", "q1_ms", "q3_ms", "xla_temp_mb", "xla_arg_mb", "xla_out_mb", "residual_mb",
               "residual_shapes", "kv_mb", "rel_err", "rel_err_grads", "throughput_ms", "throughput_calls",
               "latency_ms", "kv_tbps"}
 
 
+# Error types of an implementation that is unavailable here (another backend, not written, no memory for a
+# dense peer): listed in tables, never counted as a failure.
+UNAVAILABLE = ("RuntimeError", "NotImplementedError", "ModuleNotFoundError", "ImportError", "MemoryError")
+
+
 def load(path: str) -> dict[str, Any]:
+    """A results file; rows of older files that name flashlax's impls the old way (``flex_native``,
+    ``decode_pallas``, ...) get the dispatcher's names."""
     with open(path) as f:
-        data = json.load(f)
-    if "results" not in data:
-        raise ValueError(f"{path}: not a results file (no 'results' key; keys: {sorted(data)})")
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not JSON ({exc})") from None
+    if not isinstance(data, dict) or "results" not in data:
+        raise ValueError(f"{path}: not a results file (no 'results' key)")
+    from flashlax.bench.peers import LEGACY_NAMES, canonical_impl  # noqa: PLC0415
+
+    backend = "gpu" if (data.get("device") or {}).get("backend") in ("gpu", "cuda", "rocm") else "cpu"
+    for row in data["results"]:
+        if row.get("impl") in LEGACY_NAMES:
+            op = LEGACY_NAMES[row["impl"]][0] if row.get("suite") != "decode" or row["impl"] == "flex_repeat" \
+                else "decode_attention"
+            row.setdefault("op", op)
+            row["impl"] = canonical_impl(row["impl"], op, backend)
     return data
 
 

@@ -1,11 +1,13 @@
 """The suites: linear, gqa, prefill, decode (and all). Each builds cases (one shape, shared inputs and one
 reference) and measures every implementation x mode on them, one row per measurement.
 
-Defaults (``suite_defaults``): linear from seed 000 (B2 H8 T512/2048 dk=dv 64/128 float32 chunk 64), gqa
-from seed 004 (B1 L1024 Hq32 Hkv8 D64/128 float32 on CPU, bf16 on GPU), prefill the ANCHORS.md GPU shapes
-(Hq32 Hkv8 D128, B2 T4096 and B1 T16384, bf16, plus sliding-window-1024 and 8-document masks at T16384
-for flex_native and torch_flex; on GPU also torch_flex and jax_pallas_mha), decode Hq32 Hkv8 D128: on CPU B1 x
-Lq 1/4/16 x KV 4096/16384/65536, on GPU the six (B, Lq, KV) shapes of DECODE_GPU_SHAPES with decode_pallas.
+Implementations are named as the dispatcher names them (``xla``, ``repeat``, ``pallas``, ``chunked``, ...;
+each row's ``op`` field says whose), peers by their own names (``jax_xla``, ``jax_cudnn``, ``torch_sdpa``,
+``torch_flex``, ``jax_pallas_mha``). Defaults (``suite_defaults``): linear from seed 000 (B2 H8 T512/2048
+dk=dv 64/128 float32 chunk 64), gqa from seed 004 (B1 L1024 Hq32 Hkv8 D64/128 float32 on CPU, bf16 on GPU),
+prefill the ANCHORS.md GPU shapes (Hq32 Hkv8 D128, B2 T4096 and B1 T16384, bf16, plus sliding-window-1024
+and 8-document masks at T16384 for flex_attention and torch_flex), decode Hq32 Hkv8 D128: on CPU B1 x Lq
+1/4/16 x KV 4096/16384/65536, on GPU the six (B, Lq, KV) shapes of DECODE_GPU_SHAPES.
 """
 
 from __future__ import annotations
@@ -45,7 +47,9 @@ def suite_defaults(suite: str, gpu: bool) -> dict[str, Any]:
                     dtypes=["float32"], chunk_sizes=[64], modes=list(MODES),
                     impls=["recurrent", "chunked", "chunked_fat", "ssd"], ref_max_seq=2048,
                     max_recurrent_seq=8192 if gpu else 2048)
-    attention_impls = ["flex_native", "flex_repeat", "jax_xla"] + (["jax_cudnn"] if gpu else []) + ["torch_sdpa"]
+    family = "gpu" if gpu else "cpu"
+    attention_impls = ([dispatch.default_impl("flex_attention", family), "repeat", "jax_xla"]
+                       + (["jax_cudnn"] if gpu else []) + ["torch_sdpa"])
     if suite == "gqa":
         return dict(batch=[1], heads=[32], kv_heads=[8], seq_lens=[1024], dims=[64, 128],
                     dtypes=["bfloat16"] if gpu else ["float32"], modes=list(MODES), masks=["causal", "full"],
@@ -62,8 +66,8 @@ def suite_defaults(suite: str, gpu: bool) -> dict[str, Any]:
         return dict(batch=[1], heads=[32], kv_heads=[8], q_lens=[1, 4, 16], kv_lens=[4096, 16384, 65536],
                     shapes=DECODE_GPU_SHAPES if gpu else None, dims=[128],
                     dtypes=["bfloat16"] if gpu else ["float32"], modes=["fwd"],
-                    impls=(["flex_native", "decode_xla", "decode_pallas", "jax_xla", "jax_cudnn", "torch_sdpa"]
-                           if gpu else attention_impls),
+                    impls=(["pallas", "xla", "jax_xla", "jax_cudnn", "torch_sdpa"] if gpu
+                           else ["xla", "repeat", "jax_xla", "torch_sdpa"]),
                     ref_max_seq=1024, throughput_calls=DECODE_THROUGHPUT_CALLS)
     raise ValueError(f"unknown suite {suite!r}; valid: {', '.join(SUITES)}, all")
 
@@ -153,7 +157,8 @@ def _start_torch(case: Case, runner: peers.Runner, mode: str, min_sample_s: floa
 def _start(case: Case, runner: peers.Runner, mode: str, min_sample_s: float):
     """Compiles, checks against the reference and sets up timing: ``(row, timer)``; on an exception of the
     implementation ``(row with error, None)``."""
-    row: dict[str, Any] = {"suite": case.suite, "impl": runner.name, "mode": mode, **case.ident}
+    row: dict[str, Any] = {"suite": case.suite, **({"op": runner.extra["op"]} if "op" in runner.extra else {}),
+                           "impl": runner.name, "mode": mode, **case.ident}
     try:
         start_fn = _start_torch if runner.kind == "torch" else _start_jax
         fields, out, grads, timer = start_fn(case, runner, mode, min_sample_s)
@@ -193,7 +198,7 @@ def measure_case(case: Case, jobs: list[tuple[peers.Runner, str]], *, repeats: i
                 if throughput_calls:
                     timer.sample_decode(throughput_calls)
             except Exception as exc:
-                error_row = {k: row[k] for k in ("suite", "impl", "mode", *case.ident)}
+                error_row = {k: row[k] for k in ("suite", "op", "impl", "mode", *case.ident) if k in row}
                 error_row["error"] = harness.error_text(exc)
                 started[i] = (error_row, None)
     rows = []
@@ -417,6 +422,22 @@ def _mask_mod(mask: str, lq: int, batch: int):
     raise ValueError(f"unknown mask {mask!r}; valid: full, causal, sliding_window, document")
 
 
+ATTENTION_PEERS = ("jax_xla", "jax_cudnn", "torch_sdpa", "torch_flex", "jax_pallas_mha")
+
+
+def valid_impls(suite: str) -> tuple[str, ...]:
+    """The implementation names a suite takes (the dispatcher's, then the peers')."""
+    if suite == "linear":
+        return tuple(dispatch.TABLE["gated_delta_rule"])
+    if suite == "decode":  # decode_attention's impls, and flex_attention's K/V-repeat baseline
+        return tuple(dispatch.TABLE["decode_attention"]) + ("repeat", "jax_xla", "jax_cudnn", "torch_sdpa")
+    return tuple(dispatch.TABLE["flex_attention"]) + ATTENTION_PEERS
+
+
+def suite_op(suite: str) -> str:
+    return {"linear": "gated_delta_rule", "decode": "decode_attention"}.get(suite, "flex_attention")
+
+
 def _interpret(cfg: dict, op: str, impl: str) -> bool:
     """Pallas kernels run in the Pallas interpreter on CPU when the config asks (--quick does)."""
     entry = dispatch.TABLE[op].get(impl)
@@ -425,7 +446,7 @@ def _interpret(cfg: dict, op: str, impl: str) -> bool:
 
 def _attention_runner(impl: str, *, mask_mod, causal: bool, batch: int, lq: int, lkv: int, mask: str,
                       interpret: bool):
-    if impl.startswith("flex_"):
+    if impl in dispatch.TABLE["flex_attention"]:
         block_mask = None
         if mask_mod is not None:
             try:  # built once, outside timing, as a FlexAttention user does
@@ -434,7 +455,7 @@ def _attention_runner(impl: str, *, mask_mod, causal: bool, batch: int, lq: int,
             except Exception:
                 block_mask = None
         return peers.flex_runner(impl, mask_mod=mask_mod, block_mask=block_mask, interpret=interpret)
-    if impl == "torch_flex":  # expresses every mask of the suite, block-sparse like flex_native
+    if impl == "torch_flex":  # expresses every mask of the suite, block-sparse like flex_attention
         return peers.torch_flex(batch=batch, lq=lq, lkv=lkv, mask=mask, window=SLIDING_WINDOW,
                                 segment_ids=_document_ids(lq, batch) if mask == "document" else None)
     if mask not in ("full", "causal"):
@@ -453,7 +474,7 @@ def _dense_too_big(impl: str, b: int, hq: int, lq: int, lkv: int, max_dense_gb: 
 
 
 def run_attention(suite: str, cfg: dict, stream=sys.stderr) -> list[dict]:
-    """gqa and prefill: flex_native / flex_repeat / jax_xla / jax_cudnn / torch_sdpa, causal and full."""
+    """gqa and prefill: flex_attention's impls and the peers, causal and full (and the flex-only masks)."""
     rows = []
     shapes = cfg.get("shapes") or list(itertools.product(cfg["batch"], cfg["seq_lens"]))
     for (b, t), hq, hkv, d, dtype in itertools.product(shapes, cfg["heads"], cfg["kv_heads"], cfg["dims"],
@@ -474,7 +495,7 @@ def run_attention(suite: str, cfg: dict, stream=sys.stderr) -> list[dict]:
             jobs = []
             for mode, impl in itertools.product(cfg["modes"], cfg["impls"]):
                 runner = _attention_runner(impl, mask_mod=mask_mod, causal=causal, batch=b, lq=t, lkv=t, mask=mask,
-                                           interpret=_interpret(cfg, "flex_attention", impl.removeprefix("flex_")))
+                                           interpret=_interpret(cfg, "flex_attention", impl))
                 if runner is None:
                     continue
                 if _dense_too_big(impl, b, hq, t, t, cfg["max_dense_gb"]):
@@ -513,14 +534,11 @@ def run_decode(cfg: dict, stream=sys.stderr) -> list[dict]:
                     None if use_ref else f"no reference: lq {lq} > ref_max_seq {cfg['ref_max_seq']}")
         jobs = []
         for mode, impl in itertools.product(cfg["modes"], cfg["impls"]):
-            if impl == "flex_native" or impl.startswith("decode_"):
-                runner = peers.decode_runner(impl, interpret=_interpret(cfg, "decode_attention",
-                                                                        impl.removeprefix("decode_")))
-                runner.extra["num_splits"] = peers.chosen_num_splits(
-                    None if impl == "flex_native" else impl.removeprefix("decode_"), b, hkv, lkv)
-            elif impl.startswith("flex_"):
-                runner = peers.flex_runner(impl, mask_mod=mask_mod, interpret=_interpret(
-                    cfg, "flex_attention", impl.removeprefix("flex_")))
+            if impl in dispatch.TABLE["decode_attention"]:
+                runner = peers.decode_runner(impl, interpret=_interpret(cfg, "decode_attention", impl))
+                runner.extra["num_splits"] = peers.chosen_num_splits(impl, b, hkv, lkv)
+            elif impl in dispatch.TABLE["flex_attention"]:
+                runner = peers.flex_runner(impl, mask_mod=mask_mod, interpret=_interpret(cfg, "flex_attention", impl))
             elif impl in peers.JAX_PEERS:
                 runner = peers.jax_sdpa(impl, dense_mask=allowed)
             elif impl == "torch_sdpa":

@@ -321,6 +321,134 @@ def num_sms(device_kind: str | None = None) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------
+# gated_delta_rule "ssd" kernels (flashlax/kernels/ssd.py, ssd_bwd.py)
+# ----------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class SSDConfig:
+    """Launch parameters of the ssd kernels.
+
+    Chunk kernels (one program per chunk, batch and head: the UT transform, the output, the gradients)
+    work on ``block`` x ``block`` sub-blocks of the chunk's C x C matrices (the UT transform always on
+    16 x 16 ones) and step through dv ``block_v`` columns at a time, with ``num_warps`` warps.
+    Sequential kernels (one program per batch, head and ``state_block_v`` columns of dv, a loop over the
+    chunks with the float32 state in registers) run ``state_warps`` warps and ``state_stages`` pipeline
+    stages. ``max_chunk`` caps the chunk size (a larger requested chunk_size runs at this one: the result is
+    the same function). ``f32_dot``: "ieee" (float32 FMA, full precision) or "tf32x3" (three tf32
+    tensor-core products, about float32 accuracy); 16-bit inputs use the tensor cores natively.
+    ``transition``: the sequential passes step ``S <- M_n S + H_n`` with ``M_n = g I - k_dec^T w_n`` and
+    ``H_n = k_dec^T u_n`` formed per chunk in parallel beforehand (one [dk, dk] x [dk, bv] product per step
+    instead of two [C, dk]-sized ones; without beta no product at all), instead of ``D = u - w S``,
+    ``S <- g S + k_dec^T D``. Fewer sequential FLOPs when dk < 2 C.
+    """
+
+    block: int = 16
+    block_v: int = 64
+    num_warps: int = 4
+    state_block_v: int = 32
+    state_warps: int = 4
+    state_stages: int = 2
+    max_chunk: int = 128
+    f32_dot: str = "ieee"
+    transition: bool = False
+
+    def __post_init__(self):
+        for name in ("block", "block_v", "state_block_v", "max_chunk"):
+            val = getattr(self, name)
+            if not isinstance(val, int) or val < 16 or val & (val - 1):
+                raise ValueError(f"SSDConfig: {name} must be a power of two >= 16, got {val!r}")
+        for name in ("num_warps", "state_warps"):
+            if getattr(self, name) not in (1, 2, 4, 8, 16):
+                raise ValueError(f"SSDConfig: {name} must be 1, 2, 4, 8 or 16, got {getattr(self, name)!r}")
+        if not isinstance(self.state_stages, int) or self.state_stages < 1:
+            raise ValueError(f"SSDConfig: state_stages must be a positive int, got {self.state_stages!r}")
+        if self.f32_dot not in ("ieee", "tf32x3"):
+            raise ValueError(f"SSDConfig: f32_dot must be 'ieee' or 'tf32x3', got {self.f32_dot!r}")
+
+
+def ssd_smem_bytes(config: SSDConfig, head_dim_k: int, head_dim_v: int, chunk: int, dtype) -> int:
+    """Static estimate of the largest shared-memory need among the ssd kernels, bytes.
+
+    Sequential kernels: Triton's pipeliner buffers the tile that feeds the state product once per stage
+    ([C, dk] w, or q in the reverse pass; M_n [dk, dk] float32 in the transition form); the other dot
+    operands are staged once for their layout change: a [C, dk] tile, the [dk, state_block_v] float32 state
+    and a [C, state_block_v] float32 tile. Chunk kernels (no pipelined loop): the operands of their largest
+    dot, a [dk, block_v] float32 tile against a [block, dk] one. Head dims padded to powers of two (at least
+    16). A heuristic in the spirit of :func:`smem_bytes`, not yet compared with a compiled kernel's own
+    number.
+    """
+    item = jnp.dtype(dtype).itemsize
+    dk, dv = max(16, _pow2(head_dim_k)), max(16, _pow2(head_dim_v))
+    c = min(chunk, config.max_chunk)
+    bv = min(config.state_block_v, dv)
+    sequential = config.state_stages * c * dk * item + c * dk * item + dk * bv * 4 + c * bv * 4
+    if config.transition:       # M_n [dk, dk] float32 streamed per stage, staged once more as an operand
+        sequential = (config.state_stages + 1) * dk * dk * 4 + 2 * dk * bv * 4
+    chunked = dk * min(config.block_v, dv) * 4 + min(config.block, c) * dk * 4
+    return max(sequential, chunked)
+
+
+# family -> {(max padded head dim, dtype class): config}. Untuned entries carry the defaults.
+SSD_CONFIGS: dict[str, dict[tuple[int, str], SSDConfig]] = {
+    # H200 (session 7, docs/PERF_NOTES.md): Triton's IEEE float32 dot runs on the FMA units and made the
+    # float32 forward slower than chunked (3.29 vs 2.85 ms at B2 H8 T8192 dk64); three tf32 passes
+    # ("tf32x3") gave 1.27 ms with 3e-7 relative difference from chunked. 64-row sub-blocks (one chunk)
+    # in the output and gradient kernels: four large products instead of about 28 small ones.
+    "h200": {
+        # dk <= 64: the transition form (M_n is [dk, dk] per chunk; at 128 and above it would be 2-4x the
+        # bytes of k and its sequential product as long as the two-dot form's)
+        (64, "32"): SSDConfig(block=64, block_v=64, state_block_v=16, state_stages=2, f32_dot="tf32x3",
+                              transition=True),
+        (128, "32"): SSDConfig(block=64, block_v=64, num_warps=8, state_block_v=16, state_stages=2,
+                               f32_dot="tf32x3"),
+        (256, "32"): SSDConfig(block=16, block_v=32, num_warps=8, state_block_v=16, state_warps=8,
+                               state_stages=1, max_chunk=64, f32_dot="tf32x3"),
+        (64, "16"): SSDConfig(block=64, block_v=64, state_block_v=32, state_stages=2, f32_dot="tf32x3",
+                              transition=True),
+        (128, "16"): SSDConfig(block=64, block_v=64, num_warps=8, state_block_v=32, state_stages=2,
+                               f32_dot="tf32x3"),
+        (256, "16"): SSDConfig(block=16, block_v=32, num_warps=8, state_block_v=16, state_warps=8,
+                               state_stages=1, max_chunk=64, f32_dot="tf32x3"),
+    },
+    # RTX 3090: not run on one (no such machine here); its float32 and tf32 rates are about equal, so IEEE.
+    "rtx3090": {
+        (64, "32"): SSDConfig(block=16, block_v=64, state_block_v=16, state_stages=2, max_chunk=64),
+        (128, "32"): SSDConfig(block=16, block_v=32, state_block_v=16, state_stages=1, max_chunk=64),
+        (256, "32"): SSDConfig(block=16, block_v=16, num_warps=8, state_block_v=16, state_warps=8,
+                               state_stages=1, max_chunk=32),
+        (64, "16"): SSDConfig(block=16, block_v=64, state_block_v=32, state_stages=2, max_chunk=64),
+        (128, "16"): SSDConfig(block=16, block_v=32, state_block_v=16, state_stages=2, max_chunk=64),
+        (256, "16"): SSDConfig(block=16, block_v=16, num_warps=8, state_block_v=16, state_warps=8,
+                               state_stages=1, max_chunk=32),
+    },
+}
+SSD_CONFIGS["default"] = SSD_CONFIGS["rtx3090"]
+
+
+def ssd_config(head_dim_k: int, head_dim_v: int, dtype, device_kind: str | None = None) -> SSDConfig:
+    """The ssd config for this device kind, head dims (up to 256) and input dtype."""
+    d = max(_pow2(head_dim_k), _pow2(head_dim_v))
+    if d > 256:
+        raise ValueError(f"ssd_config: head dims up to 256 are supported, got ({head_dim_k}, {head_dim_v})")
+    cls = "32" if jnp.dtype(dtype).itemsize >= 4 else "16"
+    table = SSD_CONFIGS[device_family(device_kind)]
+    return table[(64 if d <= 64 else 128 if d <= 128 else 256, cls)]
+
+
+def check_ssd_config(config: SSDConfig, head_dim_k: int, head_dim_v: int, chunk: int, dtype,
+                     device_kind: str | None = None, limit: int | None = None) -> None:
+    """ValueError when ``config`` needs more shared memory (:func:`ssd_smem_bytes`) than the device allows."""
+    limit = smem_limit(device_kind) if limit is None else limit
+    need = ssd_smem_bytes(config, head_dim_k, head_dim_v, chunk, dtype)
+    if need > limit:
+        raise ValueError(
+            f"ssd config {config} needs about {need} bytes of shared memory for head dims ({head_dim_k}, "
+            f"{head_dim_v}), chunk {chunk} and dtype {jnp.dtype(dtype).name}, over the device limit of "
+            f"{limit} bytes ({device_kind or device_family()}); use smaller state_block_v / state_stages / "
+            "max_chunk")
+
+
+# ----------------------------------------------------------------------------------------------------
 # kernel_options: PyTorch FlexAttention's names for the kernel configuration
 # ----------------------------------------------------------------------------------------------------
 

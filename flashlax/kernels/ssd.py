@@ -1,0 +1,273 @@
+"""gated_delta_rule on the GPU, impl "ssd": Pallas kernels (Triton lowering), forward; the backward is in
+:mod:`flashlax.kernels.ssd_bwd`.
+
+The chunked algorithm of ``flashlax/fallbacks/linear.py`` (see its docstring for the algebra) split into
+kernels by parallelism. Per chunk of C tokens with state ``S`` at its start::
+
+    with beta:  D = u - w S,   u = T (beta v),   w = T (beta gamma k),   T = (I + A)^-1
+    O = P D + q_g S,   S' = g_C S + k_dec^T D          (without beta: D = v, no T at all)
+
+1. ``_precompute_kernel`` (one program per chunk, batch and head; with beta, or in the transition form):
+   A and its inverse T from 16 x 16 diagonal blocks inverted in closed form and block forward-substitution
+   merges, then w and u; in the transition form also ``M = g_C I - k_dec^T w`` and ``H = k_dec^T u``
+   (``k_dec^T v`` without beta).
+2. ``_state_kernel`` (one program per batch, head and ``state_block_v`` columns of dv): the sequential pass
+   over the chunks, the float32 state in registers, storing each chunk's start state. Two forms
+   (``SSDConfig.transition``): ``D = u - w S`` (stored), ``S <- g_C S + k_dec^T D``: two products per
+   step; or ``S <- M S + H``: one product (none without beta), D formed later by the output kernel.
+3. ``_output_kernel`` (one program per chunk, batch and head): O = P D + q_g S with P recomputed from q, k.
+
+Numerics. Every decay is ``exp`` of a segment sum of log_alpha inside one chunk: for two positions in
+different sub-blocks it is (suffix of the earlier block) + (whole blocks between) + (prefix of the later
+block), inside one sub-block a masked triangular product. Each is a sum of terms <= 0, so no exponent is
+positive (no overflow at log_alpha = -1e4), none cancels (a difference of prefix sums after a -1e4 token
+would lose 1e-3 absolute in float32), and masked entries are exp(0) = 1 zeroed afterwards (no 0 * inf at
+log_alpha = 0). The last partial chunk is read and written with row masks (log_alpha 0, every other input
+0 past the end), never padded in memory. float32 inputs: 16 x 16 x 16 products in IEEE float32, larger
+ones per ``SSDConfig.f32_dot`` ("ieee", or "tf32x3": three tf32 tensor-core passes, hi*hi + hi*lo + lo*hi,
+measured 3e-7 relative from the IEEE XLA path); bf16/f16 inputs: products of data-sized tiles on the
+tensor cores with float32 accumulation; the state, every decay and the UT transform in float32.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from flashlax.kernels._ssd_tiles import (F32, UT_BLOCK, Decays, Static, add_all, call, chunk_delta, chunk_rows,
+                                         chunk_vectors, col_bound, dot, iota, load, load_square, load_vec, mat_spec,
+                                         mm, named, p_blocks, per_chunk_arg, per_chunk_out, seq_arg, seq_out,
+                                         sequential_program, state_block, store, store_state, ut_blocks, vec_spec)
+from flashlax.kernels.configs import SSDConfig, check_ssd_config, ssd_config
+
+
+def _precompute_kernel(*refs, names, st: Static):
+    """One chunk. With beta: w = T (beta gamma k) [C, dk], u = T (beta v) [C, dv]; with ``st.transition``
+    also M = g I - k_dec^T w [dk, dk] and H = k_dec^T u [dk, dv] (float32). Without beta (transition only):
+    H = k_dec^T v."""
+    r = named(refs, names)
+    sb = UT_BLOCK
+    rows = chunk_rows(st, sb)
+    nb = len(rows)
+    row_m = pl.program_id(0) * st.dkp
+    k = [load(r["k"], row, sb, 0, st.dkp, st, col_bound(st.dk, st.dkp)) for row in rows]
+    dec = Decays([load_vec(r["la"], row, sb, st) for row in rows], sb, st)
+    if st.transition:
+        k_dec = [mm(dec.e_last(i)[:, None] * k[i].astype(F32), st) for i in range(nb)]
+    if st.has_beta:
+        beta = [load_vec(r["beta"], row, sb, st) for row in rows]
+        t, _, _ = ut_blocks(k, beta, dec, st)
+        t = {key: mm(x, st) for key, x in t.items()}
+        kb = [mm((beta[j] * dec.gamma(j))[:, None] * k[j].astype(F32), st) for j in range(nb)]
+        w = [add_all(dot(t[i, j], kb[j], st) for j in range(i + 1)) for i in range(nb)]
+        for i in range(nb):
+            store(r["w"], rows[i], 0, w[i], st)
+        if st.transition:
+            eye = jnp.where(iota((st.dkp, st.dkp), 0) == iota((st.dkp, st.dkp), 1), dec.chunk_decay(), 0.0)
+            kw = add_all(dot(k_dec[i], mm(w[i], st), st, ta=True) for i in range(nb))
+            store_state(r["m"], row_m, 0, eye - kw, st)
+    bv = st.block_v()
+    for c0 in range(0, st.dvp, bv):
+        x = [load(r["v"], row, sb, c0, bv, st, col_bound(st.dv, st.dvp)).astype(F32) for row in rows]
+        if st.has_beta:
+            vb = [mm(beta[j][:, None] * x[j], st) for j in range(nb)]
+            x = [add_all(dot(t[i, j], vb[j], st) for j in range(i + 1)) for i in range(nb)]     # u
+            for i in range(nb):
+                store(r["u"], rows[i], c0, x[i], st)
+        if st.transition:
+            store_state(r["inc"], row_m, c0, add_all(dot(k_dec[i], mm(x[i], st), st, ta=True) for i in range(nb)), st)
+
+
+def _state_kernel(*refs, names, st: Static):
+    """Sequential pass over the chunks for dv columns [iv * bv, (iv + 1) * bv): the float32 state S [dk, bv]
+    in registers; per chunk stores h_n = S, then S <- M_n S + H_n (``st.transition``; without beta
+    S <- g S + H_n) or D = u - w S (stored as "d" when asked; D = v without beta), S <- g S + k_dec^T D.
+    Writes the final state."""
+    r = named(refs, names)
+    bv, col0, c, kcols, vcols = sequential_program(st)
+
+    def body(n, s):
+        r0, row_m = n * c, n * st.dkp
+        store_state(r["h"], row_m, col0, s, st)
+        if st.transition:
+            inc = load_square(r["inc"], row_m, col0, st, bv)
+            if st.has_beta:
+                return dot(mm(load_square(r["m"], row_m, 0, st, st.dkp), st), mm(s, st), st) + inc
+            return jnp.exp(jnp.sum(load_vec(r["la"], r0, c, st))) * s + inc
+        _, e_last, decay = chunk_vectors(load_vec(r["la"], r0, c, st), st)
+        if st.has_beta:
+            w = load(r["w"], r0, c, 0, st.dkp, st)
+            d = load(r["u"], r0, c, col0, bv, st).astype(F32) - dot(w, mm(s, st), st)
+            if "d" in r:
+                store(r["d"], r0, col0, d, st)
+        else:
+            d = load(r["v"], r0, c, col0, bv, st, vcols).astype(F32)
+        k_dec = mm(load(r["k"], r0, c, 0, st.dkp, st, kcols).astype(F32) * e_last[:, None], st)
+        return decay * s + dot(k_dec, mm(d, st), st, ta=True)
+
+    s = lax.fori_loop(jnp.int32(0), jnp.int32(st.n_chunks), body, state_block(r["s0"], 0, col0, st, bv))
+    store_state(r["final"], 0, col0, s, st, user=True)
+
+
+def _output_kernel(*refs, names, st: Static):
+    """One chunk: O = P D + q_g S_n, D as :func:`chunk_delta`."""
+    r = named(refs, names)
+    sb = st.block()
+    rows = chunk_rows(st, sb)
+    nb = len(rows)
+    kcols = col_bound(st.dk, st.dkp)
+    q = [load(r["q"], row, sb, 0, st.dkp, st, kcols) for row in rows]
+    k = [load(r["k"], row, sb, 0, st.dkp, st, kcols) for row in rows]
+    dec = Decays([load_vec(r["la"], row, sb, st) for row in rows], sb, st)
+    p = {key: mm(x, st) for key, x in p_blocks(q, k, dec, st).items()}
+    q_g = [mm((st.scale * dec.gamma(i))[:, None] * q[i].astype(F32), st) for i in range(nb)]
+    w = [load(r["w"], row, sb, 0, st.dkp, st) for row in rows] if "w" in r else None
+    h_row = pl.program_id(0) * st.dkp
+    bv = st.block_v()
+    for c0 in range(0, st.dvp, bv):
+        h = mm(load_square(r["h"], h_row, c0, st, bv), st)
+        d = chunk_delta(r, rows, sb, c0, bv, h, w, st)
+        for i in range(nb):
+            o = add_all(dot(p[i, j], d[j], st) for j in range(i + 1)) + dot(q_g[i], h, st)
+            store(r["o"], rows[i], c0, o, st, col_bound(st.dv, st.dvp))
+
+
+def precompute_call(st: Static, k, v, la, beta) -> dict:
+    """The per-chunk parallel precompute: w, u [B, H, T, dkp / dvp] in the input dtype (with beta); M [B, H,
+    N * dkp, dkp] (with beta) and H [B, H, N * dkp, dvp] float32 (with ``st.transition``). {} when neither."""
+    bh = k.shape[:2]
+    outputs = {}
+    if st.has_beta:
+        outputs["w"] = seq_out(st, bh, st.dkp, st.mm_dtype)
+        outputs["u"] = seq_out(st, bh, st.dvp, st.mm_dtype)
+    if st.transition:
+        if st.has_beta:
+            outputs["m"] = per_chunk_out(st, bh, st.dkp)
+        outputs["inc"] = per_chunk_out(st, bh, st.dvp)
+    if not outputs:
+        return {}
+    inputs = dict(k=seq_arg(k, st, st.dkp), v=seq_arg(v, st, st.dvp), la=(la, vec_spec(st)))
+    if st.has_beta:
+        inputs["beta"] = (beta, vec_spec(st))
+    return call(_precompute_kernel, st, st.n_chunks, inputs, outputs, name="ssd_precompute")
+
+
+def state_call(st: Static, k, v, la, s0, pre: dict, emit_delta: bool = False) -> dict:
+    """{"final": [B, H, dk, dv] float32, "h": chunk-start states [B, H, N * dkp, dvp] in the input dtype,
+    and "d": D [B, H, T, dvp] when ``emit_delta`` (with beta, not ``st.transition``)}."""
+    bh = k.shape[:2]
+    inputs = {"la": (la, vec_spec(st))}
+    if st.transition:
+        inputs["inc"] = per_chunk_arg(pre["inc"], st)
+        if st.has_beta:
+            inputs["m"] = per_chunk_arg(pre["m"], st)
+    else:
+        inputs["k"] = seq_arg(k, st, st.dkp)
+        if st.has_beta:
+            inputs.update(w=seq_arg(pre["w"], st, st.dkp), u=seq_arg(pre["u"], st, st.dvp))
+        else:
+            inputs["v"] = seq_arg(v, st, st.dvp)
+    inputs["s0"] = (s0, mat_spec(st.dkp, st.dvp))
+    outputs = {"final": (jax.ShapeDtypeStruct(bh + (st.dk, st.dv), F32), mat_spec(st.dkp, st.dvp)),
+               "h": per_chunk_out(st, bh, st.dvp, st.mm_dtype)}
+    if emit_delta and st.has_beta and not st.transition:
+        outputs["d"] = seq_out(st, bh, st.dvp, st.mm_dtype)
+    return call(_state_kernel, st, st.dvp // st.state_block_v(), inputs, outputs, sequential=True,
+                name="ssd_state")
+
+
+def delta_args(st: Static, v, pre: dict, states: dict) -> dict:
+    """What :func:`chunk_delta` reads: the stored D, or u and w (D formed in the kernel), or v."""
+    if "d" in states:
+        return {"d": seq_arg(states["d"], st, st.dvp)}
+    if st.has_beta:
+        return {"u": seq_arg(pre["u"], st, st.dvp), "w": seq_arg(pre["w"], st, st.dkp)}
+    return {"v": seq_arg(v, st, st.dvp)}
+
+
+def output_call(st: Static, q, k, v, la, pre: dict, states: dict):
+    """O [B, H, T, dv] in v's dtype."""
+    bh = q.shape[:2]
+    inputs = dict(q=seq_arg(q, st, st.dkp), k=seq_arg(k, st, st.dkp), la=(la, vec_spec(st)),
+                  h=per_chunk_arg(states["h"], st), **delta_args(st, v, pre, states))
+    outputs = {"o": seq_out(st, bh, st.dvp, v.dtype, full=st.dv)}
+    return call(_output_kernel, st, st.n_chunks, inputs, outputs, name="ssd_out")["o"]
+
+
+# ----------------------------------------------------------------------------------------------------
+# custom_vjp and entry point
+# ----------------------------------------------------------------------------------------------------
+
+def forward(st: Static, q, k, v, la, beta, s0):
+    """(o, final state)."""
+    pre = precompute_call(st, k, v, la, beta)
+    states = state_call(st, k, v, la, s0, pre, emit_delta=True)
+    return output_call(st, q, k, v, la, pre, states), states["final"]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _ssd(q, k, v, la, beta, s0, st: Static):
+    return forward(st, q, k, v, la, beta, s0)
+
+
+def _ssd_fwd(q, k, v, la, beta, s0, st):
+    return forward(st, q, k, v, la, beta, s0), (q, k, v, la, beta, s0)       # residuals: the inputs only
+
+
+def _ssd_bwd(st, res, cts):
+    from flashlax.kernels.ssd_bwd import backward
+
+    return backward(st, *res, *cts)
+
+
+_ssd.defvjp(_ssd_fwd, _ssd_bwd)
+
+
+_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def make_static(q, k, v, beta, *, scale: float, chunk_size: int, interpret: bool, config: SSDConfig | None,
+                device_kind: str | None) -> Static:
+    """Checks dtypes and head dims, picks and checks the config; the kernels' static description."""
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in _DTYPES:
+        raise ValueError(f"gated_delta_rule_ssd: q, k, v must share one dtype of float32/bfloat16/float16, "
+                         f"got {q.dtype}, {k.dtype}, {v.dtype} (shapes {q.shape}, {k.shape}, {v.shape})")
+    seq_len, dk, dv = q.shape[2], q.shape[3], v.shape[3]
+    if max(dk, dv) > 256:
+        raise ValueError(f"gated_delta_rule_ssd: head dims up to 256 are supported, got q {q.shape}, v {v.shape}")
+    kind = device_kind
+    if kind is None:
+        kind = "cpu-interpret" if interpret else jax.devices()[0].device_kind
+    cfg = ssd_config(dk, dv, q.dtype, kind) if config is None else config
+    chunk = min(int(chunk_size), cfg.max_chunk)
+    check_ssd_config(cfg, dk, dv, chunk, q.dtype, kind)
+    return Static(config=cfg, scale=float(scale), chunk=chunk, seq_len=seq_len, dk=dk, dv=dv,
+                  has_beta=beta is not None, dtype=jnp.dtype(q.dtype), interpret=bool(interpret))
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "return_final_state", "chunk_size", "interpret", "config",
+                                             "device_kind"))
+def gated_delta_rule_ssd(q, k, v, log_alpha, beta=None, *, scale: float, initial_state=None,
+                         return_final_state: bool = False, chunk_size: int = 64, interpret: bool = False,
+                         config: SSDConfig | None = None, device_kind: str | None = None):
+    """Gated delta rule (``beta`` given) or gated linear attention / Mamba-2 SSD (``beta=None``), Pallas.
+
+    q, k: [B, H, T, dk]; v: [B, H, T, dv] (one dtype of float32/bfloat16/float16, dk, dv <= 256);
+    log_alpha, beta: [B, H, T]; initial_state: [B, H, dk, dv] or None. Returns o [B, H, T, dv] in v's
+    dtype (and the final state [B, H, dk, dv] float32). Differentiable in every array (custom_vjp whose
+    residuals are the inputs). ``config``: an SSDConfig (default: :func:`ssd_config` for the device kind);
+    a chunk_size above its ``max_chunk`` runs at ``max_chunk`` (the same function).
+    """
+    st = make_static(q, k, v, beta, scale=scale, chunk_size=chunk_size, interpret=interpret, config=config,
+                     device_kind=device_kind)
+    batch, heads, _, dk = q.shape
+    dv = v.shape[-1]
+    la = log_alpha.astype(F32)
+    beta32 = None if beta is None else beta.astype(F32)
+    s0 = jnp.zeros((batch, heads, dk, dv), F32) if initial_state is None else initial_state.astype(F32)
+    o, final = _ssd(q, k, v, la, beta32, s0, st)
+    return (o, final) if return_final_state else o

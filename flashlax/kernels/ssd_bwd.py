@@ -1,0 +1,304 @@
+"""Backward of the ssd kernels (:mod:`flashlax.kernels.ssd`). The residuals are the inputs; this recomputes.
+
+Per chunk n with start state S_n, the forward is ``D_n = u_n - w_n S_n`` (D = v without beta),
+``O_n = P_n D_n + q_g S_n``, ``S_{n+1} = g_n S_n + k_dec^T D_n``. With ``dh_n`` the adjoint of S_{n+1}:
+
+    dD_n = P_n^T dO_n + k_dec dh_n,     dh_{n-1} = q_g^T dO_n + g_n dh_n - w_n^T dD_n
+                                                 = M_n^T dh_n + R_n,   R_n = q_g^T dO_n - w_n^T P_n^T dO_n
+
+Kernels, in order:
+1. the forward's precompute and state pass again (w, u, M, H; chunk start states h_n, and D_n in the
+   two-product form);
+2. ``_dout_kernel`` (parallel): P^T dO for every chunk, and R_n in the transition form;
+3. ``_reverse_kernel``: the adjoint recurrence, sequential over chunks from the last (one program per
+   batch, head and dv block, the float32 adjoint in registers); writes dh_n and d initial_state, and dD_n
+   in the two-product form;
+4. ``_dqk_kernel`` (parallel): cotangents of P, q_g, w, k_dec and g from dO, D, dD, h, dh (D and dD formed
+   here in the transition form), then dq, the P and k_dec parts of dk, dw, and log_alpha's gradient through
+   those decays. Without beta it finishes dk and d log_alpha, and dv is dD;
+5. ``_wy_kernel`` (with beta, parallel): the UT transform's reverse mode (T again from k, beta,
+   log_alpha): dv, dbeta, the rest of dk and d log_alpha.
+Every output element is written by exactly one program (no atomics): the backward is deterministic.
+log_alpha's gradient collects, per position, exactly the terms whose segment contains it (``Decays.grad``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from flashlax.kernels import ssd
+from flashlax.kernels._ssd_tiles import (F32, UT_BLOCK, Decays, Static, add_all, call, chunk_delta, chunk_rows,
+                                         chunk_vectors, col_bound, dot, load, load_square, load_vec, mat_spec, mm,
+                                         named, p_blocks, per_chunk_arg, per_chunk_out, seq_arg, seq_out,
+                                         sequential_program, state_block, store, store_state, store_vec,
+                                         ut_blocks, vec_out, vec_spec)
+
+
+def _dout_kernel(*refs, names, st: Static):
+    """One chunk: P^T dO (float32); with ``st.transition`` also R = q_g^T dO - w^T P^T dO [dk, dv], the
+    part of the adjoint step that does not depend on the adjoint."""
+    r = named(refs, names)
+    sb = st.block()
+    rows = chunk_rows(st, sb)
+    nb = len(rows)
+    kcols, vcols = col_bound(st.dk, st.dkp), col_bound(st.dv, st.dvp)
+    q = [load(r["q"], row, sb, 0, st.dkp, st, kcols) for row in rows]
+    k = [load(r["k"], row, sb, 0, st.dkp, st, kcols) for row in rows]
+    dec = Decays([load_vec(r["la"], row, sb, st) for row in rows], sb, st)
+    p = {key: mm(x, st) for key, x in p_blocks(q, k, dec, st).items()}
+    if st.transition:
+        q_g = [mm((st.scale * dec.gamma(i))[:, None] * q[i].astype(F32), st) for i in range(nb)]
+        w = [load(r["w"], row, sb, 0, st.dkp, st) for row in rows] if st.has_beta else None
+    row_m = pl.program_id(0) * st.dkp
+    bv = st.block_v()
+    for c0 in range(0, st.dvp, bv):
+        do = [load(r["do"], row, sb, c0, bv, st, vcols) for row in rows]
+        ddl = [add_all(dot(p[i, j], do[i], st, ta=True) for i in range(j, nb)) for j in range(nb)]
+        for j in range(nb):
+            store(r["ddl"], rows[j], c0, ddl[j], st)
+        if st.transition:
+            rinc = add_all(dot(q_g[i], do[i], st, ta=True) for i in range(nb))
+            if st.has_beta:
+                rinc = rinc - add_all(dot(w[j], mm(ddl[j], st), st, ta=True) for j in range(nb))
+            store_state(r["rinc"], row_m, c0, rinc, st)
+
+
+def _reverse_kernel(*refs, names, st: Static):
+    """Adjoint recurrence for dv columns [iv * bv, (iv + 1) * bv), chunks last to first: stores dh_n (the
+    adjoint of S_{n+1}), then adj <- M_n^T adj + R_n (``st.transition``; without beta g adj + R_n), or
+    dD = P^T dO + k_dec adj (stored; without beta it is dv), adj <- q_g^T dO + g adj - w^T dD."""
+    r = named(refs, names)
+    bv, col0, c, kcols, vcols = sequential_program(st)
+
+    def body(i, adj):
+        n = st.n_chunks - 1 - i
+        r0, row_m = n * c, n * st.dkp
+        store_state(r["dh"], row_m, col0, adj, st)
+        if st.transition:
+            rinc = load_square(r["rinc"], row_m, col0, st, bv)
+            if st.has_beta:
+                return dot(mm(load_square(r["m"], row_m, 0, st, st.dkp), st), mm(adj, st), st, ta=True) + rinc
+            return jnp.exp(jnp.sum(load_vec(r["la"], r0, c, st))) * adj + rinc
+        gamma, e_last, decay = chunk_vectors(load_vec(r["la"], r0, c, st), st)
+        k_dec = mm(load(r["k"], r0, c, 0, st.dkp, st, kcols).astype(F32) * e_last[:, None], st)
+        dd = load(r["ddl"], r0, c, col0, bv, st) + dot(k_dec, mm(adj, st), st)
+        store(r["dd"], r0, col0, dd, st, None if st.has_beta else vcols)
+        q_g = mm((st.scale * gamma)[:, None] * load(r["q"], r0, c, 0, st.dkp, st, kcols).astype(F32), st)
+        adj = decay * adj + dot(q_g, load(r["do"], r0, c, col0, bv, st, vcols), st, ta=True)
+        if st.has_beta:
+            adj = adj - dot(load(r["w"], r0, c, 0, st.dkp, st), mm(dd, st), st, ta=True)
+        return adj
+
+    adj = lax.fori_loop(jnp.int32(0), jnp.int32(st.n_chunks), body, state_block(r["dfinal"], 0, col0, st, bv))
+    store_state(r["ds0"], 0, col0, adj, st, user=True)
+
+
+def _dqk_kernel(*refs, names, st: Static):
+    """One chunk: dq, dk (P and k_dec parts; all of it without beta), dw = -dD h^T, d log_alpha (all of it
+    without beta). D as :func:`ssd.chunk_delta`; dD read ("dd") or formed as P^T dO + k_dec dh and stored
+    ("dd_out": the UT kernel's du, or dv without beta)."""
+    r = named(refs, names)
+    sb = st.block()
+    rows = chunk_rows(st, sb)
+    nb = len(rows)
+    pairs = [(i, j) for i in range(nb) for j in range(i + 1)]
+    kcols, vcols = col_bound(st.dk, st.dkp), col_bound(st.dv, st.dvp)
+    q = [load(r["q"], row, sb, 0, st.dkp, st, kcols) for row in rows]
+    k = [load(r["k"], row, sb, 0, st.dkp, st, kcols) for row in rows]
+    dec = Decays([load_vec(r["la"], row, sb, st) for row in rows], sb, st)
+    gamma = [dec.gamma(i) for i in range(nb)]
+    e_last = [dec.e_last(i) for i in range(nb)]
+    w = [load(r["w"], row, sb, 0, st.dkp, st) for row in rows] if "w" in r else None
+    k_dec = [mm(e_last[i][:, None] * k[i].astype(F32), st) for i in range(nb)] if "ddl" in r else None
+
+    zeros = jnp.zeros((sb, st.dkp), F32)
+    d_qg, d_kdec, d_w = [zeros] * nb, [zeros] * nb, [zeros] * nb
+    d_p = {key: jnp.zeros((sb, sb), F32) for key in pairs}
+    d_decay = 0.0
+    h_row = pl.program_id(0) * st.dkp
+    bv = st.block_v()
+    for c0 in range(0, st.dvp, bv):
+        h = load_square(r["h"], h_row, c0, st, bv)
+        dh = load_square(r["dh"], h_row, c0, st, bv)
+        d_decay = d_decay + jnp.sum(h.astype(F32) * dh)
+        h, dh = mm(h, st), mm(dh, st)
+        do = [load(r["do"], row, sb, c0, bv, st, vcols) for row in rows]
+        d = chunk_delta(r, rows, sb, c0, bv, h, w, st)
+        for i in range(nb):
+            d_qg[i] = d_qg[i] + dot(do[i], h, st, tb=True)
+            d_kdec[i] = d_kdec[i] + dot(d[i], dh, st, tb=True)
+        if st.has_beta or "dd_out" in r:
+            if "dd" in r:
+                dd = [load(r["dd"], row, sb, c0, bv, st) for row in rows]
+            else:
+                dd = [load(r["ddl"], row, sb, c0, bv, st) + dot(k_dec[i], dh, st) for i, row in enumerate(rows)]
+                for i, row in enumerate(rows):
+                    store(r["dd_out"], row, c0, dd[i], st, None if st.has_beta else vcols)
+            if st.has_beta:
+                for i in range(nb):
+                    d_w[i] = d_w[i] - dot(mm(dd[i], st), h, st, tb=True)
+        for i, j in pairs:
+            d_p[i, j] = d_p[i, j] + dot(do[i], d[j], st, tb=True)
+
+    qk, d_qk = {}, {}
+    for i, j in pairs:
+        qk[i, j] = dot(q[i], k[j], st, tb=True)
+        d_qk[i, j] = st.scale * d_p[i, j] * dec.G(i, j)        # d(q k^T) through P = scale (q k^T * G)
+    for i in range(nb):
+        dq = (st.scale * gamma[i])[:, None] * d_qg[i] + add_all(dot(mm(d_qk[i, j], st), k[j], st) for j in range(i + 1))
+        store(r["dq"], rows[i], 0, dq, st, kcols)
+        dk = e_last[i][:, None] * d_kdec[i] + add_all(dot(mm(d_qk[m, i], st), q[m], st, ta=True) for m in range(i, nb))
+        store(r["dk"], rows[i], 0, dk, st, None if st.has_beta else kcols)
+        if st.has_beta:
+            store(r["dw"], rows[i], 0, d_w[i], st)
+    d_exp = {key: d_qk[key] * qk[key] for key in pairs}
+    d_gamma = [st.scale * jnp.sum(q[i].astype(F32) * d_qg[i], axis=1) * gamma[i] for i in range(nb)]
+    d_elast = [jnp.sum(k[i].astype(F32) * d_kdec[i], axis=1) * e_last[i] for i in range(nb)]
+    dla = dec.grad(d_exp, d_gamma, d_elast, d_decay * dec.chunk_decay())
+    for i in range(nb):
+        store_vec(r["dla"], rows[i], dla[i], st)
+
+
+def _wy_kernel(*refs, names, st: Static):
+    """One chunk: reverse mode of u = T (beta v), w = T (beta gamma k), T = (I + A)^-1, given du = dD and
+    dw; adds dk1 and dla1 (from _dqk_kernel) into the final dk and d log_alpha.
+
+    With d_bv = T^T du and d_bgk = T^T dw: dA = -(d_bv u^T + d_bgk w^T) (T^T du = d_bv, T (beta v) = u)."""
+    r = named(refs, names)
+    sb = UT_BLOCK
+    rows = chunk_rows(st, sb)
+    nb = len(rows)
+    pairs = [(i, j) for i in range(nb) for j in range(i + 1)]
+    kcols, vcols = col_bound(st.dk, st.dkp), col_bound(st.dv, st.dvp)
+    beta = [load_vec(r["beta"], row, sb, st) for row in rows]
+    k = [load(r["k"], row, sb, 0, st.dkp, st, kcols) for row in rows]
+    dec = Decays([load_vec(r["la"], row, sb, st) for row in rows], sb, st)
+    t, kk, g = ut_blocks(k, beta, dec, st)
+    t = {key: mm(x, st) for key, x in t.items()}
+    gamma = [dec.gamma(i) for i in range(nb)]
+    dw = [mm(load(r["dw"], row, sb, 0, st.dkp, st), st) for row in rows]
+    w = [load(r["w"], row, sb, 0, st.dkp, st) for row in rows]
+    d_bgk = [add_all(dot(t[i, j], dw[i], st, ta=True) for i in range(j, nb)) for j in range(nb)]
+    d_a = {(i, j): -dot(mm(d_bgk[i], st), w[j], st, tb=True) for i, j in pairs}
+    dbeta = [jnp.zeros((sb,), F32)] * nb
+    bv = st.block_v()
+    for c0 in range(0, st.dvp, bv):
+        du = [mm(load(r["dd"], row, sb, c0, bv, st), st) for row in rows]
+        u = [load(r["u"], row, sb, c0, bv, st) for row in rows]
+        d_bv = [add_all(dot(t[i, j], du[i], st, ta=True) for i in range(j, nb)) for j in range(nb)]
+        for i, j in pairs:
+            d_a[i, j] = d_a[i, j] - dot(mm(d_bv[i], st), u[j], st, tb=True)
+        for i, row in enumerate(rows):
+            v = load(r["v"], row, sb, c0, bv, st, vcols).astype(F32)
+            dbeta[i] = dbeta[i] + jnp.sum(v * d_bv[i], axis=1)
+            store(r["dv"], row, c0, beta[i][:, None] * d_bv[i], st, vcols)
+    # A = strict(beta_t (k k^T) * G): g is the strict decay, so d_a outside A's support drops out here
+    k_bgk = [jnp.sum(k[i].astype(F32) * d_bgk[i], axis=1) for i in range(nb)]
+    d_kk = {(i, j): d_a[i, j] * beta[i][:, None] * g[i, j] for i, j in pairs}
+    for i, row in enumerate(rows):
+        dbeta[i] = (dbeta[i] + gamma[i] * k_bgk[i]
+                    + add_all(jnp.sum(d_a[i, j] * kk[i, j] * g[i, j], axis=1) for j in range(i + 1)))
+        dk = ((beta[i] * gamma[i])[:, None] * d_bgk[i] + load(r["dk1"], row, sb, 0, st.dkp, st)
+              + add_all(dot(mm(d_kk[i, j], st), k[j], st) for j in range(i + 1))
+              + add_all(dot(mm(d_kk[m, i], st), k[m], st, ta=True) for m in range(i, nb)))
+        store(r["dk"], row, 0, dk, st, kcols)
+        store_vec(r["dbeta"], row, dbeta[i], st)
+    d_exp = {key: d_kk[key] * kk[key] for key in pairs}
+    dla = dec.grad(d_exp, [beta[i] * k_bgk[i] * gamma[i] for i in range(nb)])
+    for i, row in enumerate(rows):
+        store_vec(r["dla"], row, dla[i] + load_vec(r["dla1"], row, sb, st), st)
+
+
+# ----------------------------------------------------------------------------------------------------
+# pallas_call wrappers and the backward driver
+# ----------------------------------------------------------------------------------------------------
+
+def dout_call(st: Static, q, k, la, do, pre: dict) -> dict:
+    """{"ddl": P^T dO [B, H, T, dvp] float32, and with ``st.transition`` "rinc": R [B, H, N * dkp, dvp]}."""
+    bh = q.shape[:2]
+    inputs = dict(q=seq_arg(q, st, st.dkp), k=seq_arg(k, st, st.dkp), la=(la, vec_spec(st)),
+                  do=seq_arg(do, st, st.dvp))
+    outputs = {"ddl": seq_out(st, bh, st.dvp, F32)}
+    if st.transition:
+        if st.has_beta:
+            inputs["w"] = seq_arg(pre["w"], st, st.dkp)
+        outputs["rinc"] = per_chunk_out(st, bh, st.dvp)
+    return call(_dout_kernel, st, st.n_chunks, inputs, outputs, name="ssd_dout")
+
+
+def reverse_call(st: Static, q, k, la, do, pre: dict, dout: dict, dfinal) -> dict:
+    """{"dh": adjoints [B, H, N * dkp, dvp] float32, "ds0": d initial_state [B, H, dk, dv] float32, and
+    without ``st.transition`` "dd": dD [B, H, T, dvp] float32 (without beta: dv [B, H, T, dv])}."""
+    bh = q.shape[:2]
+    inputs = {"la": (la, vec_spec(st))}
+    if st.transition:
+        inputs["rinc"] = per_chunk_arg(dout["rinc"], st)
+        if st.has_beta:
+            inputs["m"] = per_chunk_arg(pre["m"], st)
+    else:
+        inputs.update(q=seq_arg(q, st, st.dkp), k=seq_arg(k, st, st.dkp), do=seq_arg(do, st, st.dvp),
+                      ddl=seq_arg(dout["ddl"], st, st.dvp))
+        if st.has_beta:
+            inputs["w"] = seq_arg(pre["w"], st, st.dkp)
+    inputs["dfinal"] = (dfinal, mat_spec(st.dkp, st.dvp))
+    outputs = {"dh": per_chunk_out(st, bh, st.dvp),
+               "ds0": (jax.ShapeDtypeStruct(bh + (st.dk, st.dv), F32), mat_spec(st.dkp, st.dvp))}
+    if not st.transition:
+        outputs["dd"] = seq_out(st, bh, st.dvp, F32) if st.has_beta else seq_out(st, bh, st.dvp, do.dtype, st.dv)
+    return call(_reverse_kernel, st, st.dvp // st.state_block_v(), inputs, outputs, sequential=True,
+                name="ssd_reverse")
+
+
+def dqk_call(st: Static, q, k, v, la, do, pre: dict, states: dict, dout: dict, rev: dict) -> dict:
+    """{"dq", "dk" (with beta: its P / k_dec part, float32 [B, H, T, dkp]), "dla" (float32; with beta its
+    part), with beta "dw" float32 [B, H, T, dkp], and "dd_out" (dD, or dv without beta) when the reverse
+    pass did not store it}."""
+    bh = q.shape[:2]
+    inputs = dict(q=seq_arg(q, st, st.dkp), k=seq_arg(k, st, st.dkp), la=(la, vec_spec(st)),
+                  do=seq_arg(do, st, st.dvp), h=per_chunk_arg(states["h"], st), dh=per_chunk_arg(rev["dh"], st),
+                  **ssd.delta_args(st, v, pre, states))
+    if "dd" in rev:
+        if st.has_beta:
+            inputs["dd"] = seq_arg(rev["dd"], st, st.dvp)
+    else:
+        inputs["ddl"] = seq_arg(dout["ddl"], st, st.dvp)
+    outputs = {"dq": seq_out(st, bh, st.dkp, q.dtype, st.dk)}
+    if st.has_beta:
+        outputs.update(dk=seq_out(st, bh, st.dkp, F32), dw=seq_out(st, bh, st.dkp, F32))
+    else:
+        outputs["dk"] = seq_out(st, bh, st.dkp, k.dtype, st.dk)
+    outputs["dla"] = vec_out(st, bh)
+    if "dd" not in rev:
+        outputs["dd_out"] = seq_out(st, bh, st.dvp, F32) if st.has_beta else seq_out(st, bh, st.dvp, v.dtype, st.dv)
+    return call(_dqk_kernel, st, st.n_chunks, inputs, outputs, name="ssd_dqk")
+
+
+def wy_call(st: Static, k, v, la, beta, pre: dict, dd, dqk: dict) -> dict:
+    """{"dk", "dv", "dbeta" float32, "dla" float32}: the UT transform's reverse mode, dk and dla completed."""
+    bh = k.shape[:2]
+    sk = lambda x: seq_arg(x, st, st.dkp)  # noqa: E731
+    sv = lambda x: seq_arg(x, st, st.dvp)  # noqa: E731
+    inputs = dict(k=sk(k), v=sv(v), la=(la, vec_spec(st)), beta=(beta, vec_spec(st)), w=sk(pre["w"]),
+                  u=sv(pre["u"]), dw=sk(dqk["dw"]), dd=sv(dd), dk1=sk(dqk["dk"]), dla1=(dqk["dla"], vec_spec(st)))
+    outputs = dict(dk=seq_out(st, bh, st.dkp, k.dtype, st.dk), dv=seq_out(st, bh, st.dvp, v.dtype, st.dv),
+                   dbeta=vec_out(st, bh), dla=vec_out(st, bh))
+    return call(_wy_kernel, st, st.n_chunks, inputs, outputs, name="ssd_wy_bwd")
+
+
+def backward(st: Static, q, k, v, la, beta, s0, do, dfinal):
+    """Cotangents (dq, dk, dv, d log_alpha, dbeta or None, d initial_state) of ``ssd._ssd``."""
+    do = do.astype(v.dtype)
+    dfinal = dfinal.astype(F32)
+    pre = ssd.precompute_call(st, k, v, la, beta)
+    states = ssd.state_call(st, k, v, la, s0, pre, emit_delta=True)
+    dout = dout_call(st, q, k, la, do, pre)
+    rev = reverse_call(st, q, k, la, do, pre, dout, dfinal)
+    dqk = dqk_call(st, q, k, v, la, do, pre, states, dout, rev)
+    dd = rev["dd"] if "dd" in rev else dqk["dd_out"]
+    if not st.has_beta:
+        return dqk["dq"], dqk["dk"], dd, dqk["dla"], None, rev["ds0"]
+    wy = wy_call(st, k, v, la, beta, pre, dd, dqk)
+    return dqk["dq"], wy["dk"], wy["dv"], wy["dla"], wy["dbeta"], rev["ds0"]

@@ -1,0 +1,339 @@
+"""Check and time the gated_delta_rule ssd kernels on a GPU in one device call (issue 15).
+
+  cd <tree> && PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false python3 scripts/gpu_ssd.py --out $OUT \
+      --steps check,e2e,bf16,kernels,variants
+
+Steps (``--steps``, in this order):
+  check      ssd (shipped config, and f32_dot="tf32x3") against the float64 recurrence on the host CPU at
+             B1 H2 T1000 dk=dv=64: output and every gradient;
+  e2e        B2 H8 T8192 dk=dv=64 float32, fwd and fwd+bwd, with and without beta: chunked, ssd, ssd/alt
+             (the other form of the sequential passes) and ssd+tf32x3, each with its largest relative
+             difference from chunked over the output and every gradient;
+  f32nobeta  the same without beta, chunked and ssd only;
+  bf16       B2 H16 T8192 dk=dv=128 bfloat16 forward with beta: chunked and ssd;
+  alt        the forward of ssd and ssd/alt at both shapes, in one process;
+  kernels    each kernel of the forward and backward alone, both forms (float32 and bf16 shapes);
+  variants   KERNEL_VARIANTS (config overrides per kernel), until ``--deadline`` seconds.
+Writes $OUT/ssd_results.json as it goes. ``--smoke``: the same code in the Pallas interpreter on CPU at tiny
+shapes (timings meaningless). Session 7 ran "e2e,bf16,kernels,variants" (cut off during e2e) and
+"f32nobeta,bf16,alt"; docs/PERF_NOTES.md has the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flashlax import gated_delta_rule
+from flashlax.bench.suites import linear_inputs
+from flashlax.kernels import ssd, ssd_bwd
+from flashlax.kernels.configs import ssd_config
+from flashlax.reference import gated_delta_rule_reference
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _gpu_common import T0, bench, log, rel  # noqa: E402
+
+RESULTS: dict = {"errors": {}, "kernels": [], "end_to_end": [], "failures": []}
+OUT_DIR: list = [None]
+BENCH_KW: dict = {}          # --smoke: one short sample
+
+
+def timed(fn, *a):
+    return bench(fn, *a, **BENCH_KW)
+
+
+def inputs(b, h, t, dk, dv, dtype, seed=0, with_beta=True):
+    """The benchmark's inputs (flashlax.bench.suites.linear_inputs), log_alpha and beta kept in float32."""
+    q, k, v, la, beta, do = linear_inputs(seed, b, h, t, dk, dv, jnp.float32)
+    cast = lambda x: x.astype(dtype)  # noqa: E731
+    return cast(q), cast(k), cast(v), la, beta if with_beta else None, cast(do)
+
+
+def fwd_bwd(fn):
+    def run(q, k, v, la, beta, do):
+        out, pullback = jax.vjp(lambda *a: fn(*a), q, k, v, la, beta)
+        return out, pullback(do)
+    return jax.jit(run)
+
+
+def impl_fn(impl, chunk=64, **kw):
+    if impl == "ssd":
+        return lambda q, k, v, la, beta: ssd.gated_delta_rule_ssd(q, k, v, la, beta, scale=q.shape[-1] ** -0.5,
+                                                                  chunk_size=chunk, **kw)
+    return lambda q, k, v, la, beta: gated_delta_rule(q, k, v, la, beta, impl=impl, chunk_size=chunk)
+
+
+def save(out_dir=None):
+    RESULTS["elapsed_s"] = time.perf_counter() - T0
+    out_dir = out_dir or OUT_DIR[0]
+    if out_dir:
+        with open(os.path.join(out_dir, "ssd_results.json"), "w") as f:
+            json.dump(RESULTS, f, indent=1, default=str)
+
+
+def guarded(name, fn, *a):
+    try:
+        return fn(*a)
+    except Exception as exc:  # keep going: a failing variant is a result too
+        msg = f"{type(exc).__name__}: {str(exc)[:400]}"
+        log(f"FAIL {name}: {msg}")
+        RESULTS["failures"].append({"name": name, "error": msg})
+        return None
+
+
+# ----------------------------------------------------------------------------------------------------
+# 1. correctness
+# ----------------------------------------------------------------------------------------------------
+
+def check_reference(shape, kw_variants, interpret, with_betas=(True, False)):
+    b, h, t, d = shape
+    for with_beta in with_betas:
+        q, k, v, la, beta, do = inputs(b, h, t, d, d, jnp.float32, seed=3, with_beta=with_beta)
+        cpu = jax.devices("cpu")[0]
+        with jax.enable_x64(), jax.default_device(cpu):
+            args64 = [None if x is None else jax.device_put(np.asarray(x, np.float64), cpu)
+                      for x in (q, k, v, la, beta, do)]
+            ref_out, ref_grads = fwd_bwd(lambda *a: gated_delta_rule_reference(*a, scale=d ** -0.5))(*args64)
+            ref_out, ref_grads = np.asarray(ref_out), [None if g is None else np.asarray(g) for g in ref_grads]
+        for label, kw in kw_variants.items():
+            def one():
+                kw1 = {n: x for n, x in kw.items() if x is not None}
+                out, grads = fwd_bwd(impl_fn("ssd", interpret=interpret, **kw1))(q, k, v, la, beta, do)
+                errs = {"o": rel(out, ref_out)}
+                for n, g, r in zip(("dq", "dk", "dv", "dlog_alpha", "dbeta"), grads, ref_grads):
+                    if r is not None:
+                        errs[n] = rel(g, r)
+                return errs
+            errs = guarded(f"reference {label}", one)
+            key = f"vs float64, B{b} H{h} T{t} d{d} {'beta' if with_beta else 'no beta'} {label}"
+            RESULTS["errors"][key] = errs
+            log(key, errs)
+
+
+# ----------------------------------------------------------------------------------------------------
+# 2. per-kernel variants
+# ----------------------------------------------------------------------------------------------------
+
+def kernel_fn(name, st):
+    """The jitted kernel ``name`` at ``st`` (arguments as :func:`kernel_args` builds them)."""
+    bwd = ssd_bwd
+    return jax.jit({
+        "precompute": lambda k, v, la, b: ssd.precompute_call(st, k, v, la, b),
+        "state": lambda k, v, la, s0, pre: ssd.state_call(st, k, v, la, s0, pre, emit_delta=True),
+        "out": lambda q, k, v, la, pre, sts: ssd.output_call(st, q, k, v, la, pre, sts),
+        "dout": lambda q, k, la, do, pre: bwd.dout_call(st, q, k, la, do, pre),
+        "reverse": lambda q, k, la, do, pre, dout, df: bwd.reverse_call(st, q, k, la, do, pre, dout, df),
+        "dqk": lambda q, k, v, la, do, pre, sts, dout, rev: bwd.dqk_call(st, q, k, v, la, do, pre, sts, dout, rev),
+        "wy": lambda k, v, la, b, pre, dd, dqk: bwd.wy_call(st, k, v, la, b, pre, dd, dqk),
+    }[name])
+
+
+def kernel_args(st, q, k, v, la, beta, do):
+    """name -> arguments of each kernel of the forward and backward at ``st`` (running the chain once)."""
+    s0 = jnp.zeros(q.shape[:2] + (q.shape[-1], v.shape[-1]), jnp.float32)
+    args = {}
+    pre = kernel_fn("precompute", st)(k, v, la, beta)
+    if pre:
+        args["precompute"] = (k, v, la, beta)
+    args["state"] = (k, v, la, s0, pre)
+    states = kernel_fn("state", st)(*args["state"])
+    args["out"] = (q, k, v, la, pre, states)
+    args["dout"] = (q, k, la, do, pre)
+    dout = kernel_fn("dout", st)(*args["dout"])
+    args["reverse"] = (q, k, la, do, pre, dout, s0)
+    rev = kernel_fn("reverse", st)(*args["reverse"])
+    args["dqk"] = (q, k, v, la, do, pre, states, dout, rev)
+    if st.has_beta:
+        dqk = kernel_fn("dqk", st)(*args["dqk"])
+        args["wy"] = (k, v, la, beta, pre, rev["dd"] if "dd" in rev else dqk["dd_out"], dqk)
+    return args
+
+
+KERNEL_VARIANTS = {
+    # kernel -> {label: config overrides}
+    "state": {"bv16 w4": dict(state_block_v=16, state_warps=4), "bv16 w8": dict(state_block_v=16, state_warps=8),
+              "bv32 w4": dict(state_block_v=32, state_warps=4), "bv32 w8": dict(state_block_v=32, state_warps=8),
+              "bv64 w8": dict(state_block_v=64, state_warps=8),
+              "bv16 w4 tf32x3": dict(state_block_v=16, state_warps=4, f32_dot="tf32x3"),
+              "bv16 w4 s1": dict(state_block_v=16, state_warps=4, state_stages=1),
+              "bv16 w4 s3": dict(state_block_v=16, state_warps=4, state_stages=3)},
+    "reverse": {"bv16 w4": dict(state_block_v=16, state_warps=4), "bv16 w8": dict(state_block_v=16, state_warps=8),
+                "bv32 w8": dict(state_block_v=32, state_warps=8),
+                "bv16 w4 tf32x3": dict(state_block_v=16, state_warps=4, f32_dot="tf32x3")},
+    "precompute": {"w4": dict(num_warps=4), "w2": dict(num_warps=2), "w8": dict(num_warps=8),
+                   "w4 tf32x3": dict(num_warps=4, f32_dot="tf32x3")},
+    "out": {"b16 w4": dict(block=16, num_warps=4), "b32 w4": dict(block=32, num_warps=4),
+            "b64 w4": dict(block=64, num_warps=4), "b32 w8": dict(block=32, num_warps=8),
+            "b64 w8": dict(block=64, num_warps=8), "b16 w4 tf32x3": dict(block=16, f32_dot="tf32x3"),
+            "b64 w4 tf32x3": dict(block=64, f32_dot="tf32x3")},
+    "dout": {"b16 w4": dict(block=16), "b32 w4": dict(block=32), "b64 w4": dict(block=64)},
+    "dqk": {"b16 w4": dict(block=16, num_warps=4), "b32 w4": dict(block=32, num_warps=4),
+            "b16 w8": dict(block=16, num_warps=8), "b32 w8": dict(block=32, num_warps=8)},
+    "wy": {"w4": dict(num_warps=4), "w8": dict(num_warps=8), "w4 tf32x3": dict(num_warps=4, f32_dot="tf32x3")},
+}
+
+
+def time_kernels(label, shape, dtype, with_beta, interpret, variants=(), deadline=1e9):
+    """Each kernel of the shipped config, of the shipped config with the other state form (``transition``
+    flipped), and the KERNEL_VARIANTS of the kernels named in ``variants`` (overrides of the shipped config)."""
+    b, h, t, d = shape
+    q, k, v, la, beta, do = inputs(b, h, t, d, d, dtype, seed=7, with_beta=with_beta)
+    base = ssd.make_static(q, k, v, beta, scale=d ** -0.5, chunk_size=64, interpret=interpret, config=None,
+                           device_kind=None)
+    forms = {"shipped": base,
+             f"transition={not base.config.transition}": dataclasses.replace(
+                 base, config=dataclasses.replace(base.config, transition=not base.config.transition))}
+    all_args = {}
+    for form, st in forms.items():
+        all_args[form] = guarded(f"kernels {label} {form}", kernel_args, st, q, k, v, la, beta, do) or {}
+        for name, args in all_args[form].items():
+            res = guarded(f"kernel {name} {form}", timed, kernel_fn(name, st), *args)
+            if res is not None:
+                RESULTS["kernels"].append(dict(shape=label, beta=with_beta, kernel=name, variant=form, ms=res[0],
+                                               compile_s=res[1]))
+                log(f"kernel {label} beta={with_beta} {name:10s} {form:18s} {res[0]:.4f} ms (compile {res[1]:.1f} s)")
+    for name in variants:
+        for form, st0 in forms.items():
+            if name not in all_args[form]:
+                continue
+            for vlabel, over in KERNEL_VARIANTS[name].items():
+                if time.perf_counter() - T0 > deadline:
+                    log("deadline: skipping the remaining kernel variants")
+                    return
+                st = dataclasses.replace(st0, config=dataclasses.replace(st0.config, **over))
+                res = guarded(f"kernel {name} {form} {vlabel}", timed, kernel_fn(name, st), *all_args[form][name])
+                if res is not None:
+                    RESULTS["kernels"].append(dict(shape=label, beta=with_beta, kernel=name, variant=f"{form} {vlabel}",
+                                                   ms=res[0], compile_s=res[1]))
+                    log(f"kernel {label} beta={with_beta} {name:10s} {form} {vlabel:16s} {res[0]:.4f} ms")
+
+
+# ----------------------------------------------------------------------------------------------------
+# 3. end to end
+# ----------------------------------------------------------------------------------------------------
+
+def ssd_variant(label, dims, dtype, interpret):
+    """Keyword arguments of gated_delta_rule_ssd for an end-to-end label: "ssd" (shipped config), "ssd/alt"
+    (shipped with ``transition`` flipped), "+tf32x3" suffix (f32_dot="tf32x3")."""
+    cfg = ssd_config(dims, dims, dtype) if not interpret else None
+    if cfg is None:
+        from flashlax.kernels.configs import SSDConfig
+        cfg = SSDConfig()
+    if "/alt" in label:
+        cfg = dataclasses.replace(cfg, transition=not cfg.transition)
+    if "tf32x3" in label:
+        cfg = dataclasses.replace(cfg, f32_dot="tf32x3")
+    return dict(interpret=interpret, config=cfg)
+
+
+def time_end_to_end(label, shape, dtype, with_beta, modes, impls, interpret):
+    """Times every impl label in every mode, and reports each ssd variant's difference from chunked
+    (output and gradients, from the timed functions' own results)."""
+    b, h, t, d = shape
+    q, k, v, la, beta, do = inputs(b, h, t, d, d, dtype, seed=9, with_beta=with_beta)
+    for mode in modes:
+        results = {}
+        for impl in impls:
+            fn = impl_fn("ssd", **ssd_variant(impl, d, dtype, interpret)) if impl.startswith("ssd") else impl_fn(impl)
+            run = jax.jit(fn) if mode == "fwd" else fwd_bwd(fn)
+            args = (q, k, v, la, beta) if mode == "fwd" else (q, k, v, la, beta, do)
+            res = guarded(f"{label} {impl} {mode}", lambda: timed(run, *args))
+            if res is None:
+                continue
+            row = dict(shape=label, impl=impl, mode=mode, beta=with_beta, ms=res[0], compile_s=res[1])
+            out = run(*args)
+            results[impl] = jax.tree_util.tree_leaves(out)
+            if impl != "chunked" and "chunked" in results:
+                row["rel_diff_vs_chunked"] = max(rel(a, c) for a, c in zip(results[impl], results["chunked"]))
+            RESULTS["end_to_end"].append(row)
+            log(f"e2e {label} {'beta' if with_beta else 'no beta'} {impl:16s} {mode:7s} {res[0]:.4f} ms "
+                f"(compile {res[1]:.1f} s) diff vs chunked {row.get('rel_diff_vs_chunked')}")
+            save()
+
+
+def table():
+    lines = ["| shape | beta | mode | impl | ms | x chunked | max rel diff vs chunked |",
+             "|---|---|---|---|---|---|---|"]
+    for r in RESULTS["end_to_end"]:
+        base = [x["ms"] for x in RESULTS["end_to_end"] if x["impl"] == "chunked" and
+                (x["shape"], x["beta"], x["mode"]) == (r["shape"], r["beta"], r["mode"])]
+        speed = f"{base[0] / r['ms']:.2f}" if base else "-"
+        diff = r.get("rel_diff_vs_chunked")
+        lines.append(f"| {r['shape']} | {r['beta']} | {r['mode']} | {r['impl']} | {r['ms']:.3f} | {speed} | "
+                     f"{'' if diff is None else f'{diff:.1e}'} |")
+    return "\n".join(lines)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=os.environ.get("OUT"))
+    p.add_argument("--smoke", action="store_true", help="interpret on CPU at tiny shapes")
+    p.add_argument("--deadline", type=float, default=150.0, help="start no new step after this many seconds")
+    p.add_argument("--steps", default="check,e2e,bf16,kernels,variants",
+                   help="comma-separated: check e2e f32nobeta bf16 alt kernels variants")
+    args = p.parse_args()
+    interp = args.smoke
+    OUT_DIR[0] = args.out
+    if interp:
+        BENCH_KW.update(reps=1, min_iters=1, target_ms=0.0)
+        for name in KERNEL_VARIANTS:             # one variant per kernel exercises the code path
+            KERNEL_VARIANTS[name] = dict(list(KERNEL_VARIANTS[name].items())[-1:])
+    steps = args.steps.split(",")
+    dev = jax.devices()[0]
+    RESULTS["device"] = f"{dev.platform} {dev.device_kind}"
+    RESULTS["jax"] = jax.__version__
+    if not interp:
+        RESULTS["config_f32_64"] = str(ssd_config(64, 64, jnp.float32))
+        RESULTS["config_bf16_128"] = str(ssd_config(128, 128, jnp.bfloat16))
+    log("device", RESULTS["device"], "jax", jax.__version__)
+    small = (1, 2, 70, 16) if interp else (1, 2, 1000, 64)
+    f32_shape = (1, 2, 100, 16) if interp else (2, 8, 8192, 64)
+    bf16_shape = (1, 2, 100, 32) if interp else (2, 16, 8192, 128)
+    f32_label = "B2 H8 T8192 d64 f32" if not interp else "smoke f32"
+    bf16_label = "B2 H16 T8192 d128 bf16" if not interp else "smoke bf16"
+
+    variants = ("ssd", "ssd/alt")
+    if "check" in steps:
+        tf = dataclasses.replace(ssd_config(64, 64, jnp.float32), f32_dot="tf32x3") if not interp else None
+        check_reference(small, {"shipped": {}}, interp, with_betas=(True, False))
+        check_reference(small, {"tf32x3": dict(config=tf)}, interp, with_betas=(True,))
+        save(args.out)
+    if "e2e" in steps:            # everything end to end (first call)
+        for with_beta in (True, False):
+            extra = ("ssd+tf32x3",) if with_beta else ()
+            time_end_to_end(f32_label, f32_shape, jnp.float32, with_beta, ("fwd", "fwd_bwd"),
+                            ("chunked",) + variants + extra, interp)
+    if "f32nobeta" in steps:      # gated linear attention / SSD: the fla simple-GLA targets
+        time_end_to_end(f32_label, f32_shape, jnp.float32, False, ("fwd", "fwd_bwd"), ("chunked", "ssd"), interp)
+    if "bf16" in steps:           # the bf16 forward target (with beta)
+        time_end_to_end(bf16_label, bf16_shape, jnp.bfloat16, True, ("fwd",), ("chunked", "ssd"), interp)
+    if "alt" in steps:            # the other form of the sequential passes, same process
+        time_end_to_end(f32_label, f32_shape, jnp.float32, True, ("fwd",), variants, interp)
+        time_end_to_end(bf16_label, bf16_shape, jnp.bfloat16, True, ("fwd",), variants, interp)
+    save(args.out)
+    if "kernels" in steps:
+        guarded("kernels f32 beta", time_kernels, f32_label, f32_shape, jnp.float32, True, interp, (),
+                args.deadline)
+        save(args.out)
+        guarded("kernels bf16 beta", time_kernels, bf16_label, bf16_shape, jnp.bfloat16, True, interp, (),
+                args.deadline)
+        save(args.out)
+    if "variants" in steps:
+        guarded("kernel variants", time_kernels, f32_label, f32_shape, jnp.float32, True, interp,
+                ("state", "reverse", "out", "dqk", "precompute", "wy", "dout"), args.deadline)
+        save(args.out)
+    print("\n" + table())
+    print("\nfailures:", json.dumps(RESULTS["failures"]))
+    save(args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,237 @@
+"""The ssd Pallas kernels of gated_delta_rule: interpreted on CPU against the float64 recurrence (outputs,
+final state, every gradient), the shipped configs' shared memory, and (``gpu`` marker) real sizes on a GPU.
+
+Interpreted cases are few and small: each distinct shape compiles the interpreter's program once (3-10 s on
+the 2-core CI box); the larger sweep is marked ``slow``.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from conftest import TOLERANCES, on_gpu, rel_err
+from flashlax import dispatch, gated_delta_rule
+from flashlax.kernels import configs
+from flashlax.kernels.configs import SSDConfig, check_ssd_config, ssd_config, ssd_smem_bytes
+from flashlax.kernels.ssd import gated_delta_rule_ssd
+from test_linear import err_vs_reference, make_inputs, random_cotangents, reference, run_with_grads
+
+INTERPRET = not on_gpu()
+LOW_PRECISION_TOL = {"bfloat16": 1e-2, "float16": 2e-3}     # as tests/test_linear.py (interpreted: f32 math)
+
+
+@functools.lru_cache(maxsize=None)
+def ssd(chunk_size, **kw):
+    """impl="ssd" through the front end (interpreted on CPU), or the kernel entry with extra arguments.
+    Cached, so tests that share shapes share the compiled programs (see :func:`errors`)."""
+    if kw:
+        return functools.partial(gated_delta_rule_ssd, chunk_size=chunk_size, interpret=INTERPRET, **kw)
+    return functools.partial(gated_delta_rule, impl="ssd", chunk_size=chunk_size, interpret=INTERPRET)
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_grads(fn, names):
+    def run(inputs, cotangents):
+        return run_with_grads(fn, dict(zip(names, inputs)), cotangents)
+
+    return jax.jit(run)
+
+
+def errors(fn, inputs, seed=0, scale=None):
+    """Relative errors of o, the final state and every gradient against the float64 recurrence (one jit of
+    the forward and backward per kernel variant: the interpreter compiles each shape once)."""
+    cot = random_cotangents(inputs, seed)
+    names = tuple(inputs)
+    o, state, grads = _jitted_grads(fn, names)(tuple(inputs[n] for n in names), cot)
+    ref_o, ref_state, ref_grads = reference(inputs, cot, scale)
+    assert o.dtype == inputs["v"].dtype and state.dtype == jnp.float32
+    errs = {"o": err_vs_reference(o, ref_o), "final_state": err_vs_reference(state, ref_state)}
+    for name, g in grads.items():
+        assert g.dtype == inputs[name].dtype, (name, g.dtype)
+        errs["d" + name] = err_vs_reference(g, ref_grads[name])
+    return errs
+
+
+def assert_close(errs, tol):
+    bad = {name: err for name, err in errs.items() if not err <= tol}
+    assert not bad, f"relative errors above {tol}: {bad} (all: {errs})"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Interpreted against the float64 recurrence
+# ---------------------------------------------------------------------------------------------------
+
+# (T, dk, dv, chunk, beta, initial state, log_alpha low end): odd T (partial last chunk), T a multiple of
+# the chunk (the unmasked path), T shorter than one chunk, dk != dv and head dims below 16 / not powers of
+# two, every chunk size, strong decays.
+CASES = [
+    (77, 8, 24, 32, True, True, -1.0),
+    (77, 8, 24, 32, False, False, -1.0),
+    (64, 16, 16, 16, True, False, -5.0),
+    (5, 16, 16, 16, False, True, -1.0),
+    (130, 32, 16, 64, True, True, -100.0),
+    (100, 16, 16, 64, False, True, -1.0),
+    (40, 16, 32, 128, True, True, -1.0),
+]
+
+
+@pytest.mark.parametrize("seq_len, dk, dv, chunk, with_beta, with_state, la_lo", CASES)
+def test_matches_float64_reference(seq_len, dk, dv, chunk, with_beta, with_state, la_lo):
+    inputs = make_inputs(seq_len, 1, 2, seq_len, dk, dv, la_lo=la_lo, with_beta=with_beta, with_state=with_state)
+    # chunks 64 and 128 with the H200's configs (64-row sub-blocks in the output and gradient kernels;
+    # the CPU/RTX 3090 configs cap the chunk at 64); the interpreter computes float32 products in IEEE
+    fn = ssd(chunk, scale=dk ** -0.5, device_kind="NVIDIA H200") if chunk >= 64 else ssd(chunk)
+    assert_close(errors(fn, inputs, seed=seq_len), TOLERANCES["float32"])
+
+
+@pytest.mark.parametrize("with_beta", [True, False])
+def test_transition_form(with_beta):
+    """The other form of the sequential passes (S <- M_n S + H_n, adjoint <- M_n^T adj + R_n, D and dD formed
+    in the parallel kernels), with 32-row sub-blocks in the output and gradient kernels."""
+    inputs = make_inputs(9, 1, 2, 77, 8, 24, with_beta=with_beta, with_state=with_beta)
+    cfg = dataclasses.replace(ssd_config(8, 24, jnp.float32, "cpu"), transition=True, block=32)
+    assert_close(errors(ssd(32, scale=8 ** -0.5, config=cfg), inputs, seed=9), TOLERANCES["float32"])
+
+
+@pytest.mark.parametrize("case", ["log_alpha=-1e4", "log_alpha=0", "resets"])
+def test_extreme_decays(case):
+    """-1e4 everywhere (every step forgets), 0 everywhere (no decay: exp(0) = 1, no 0 * inf), and -1e4 resets
+    among weak decays (exponents taken as differences of prefix sums would lose ~1e-3 after a reset).
+    Shapes of the first two CASES, so the interpreter's programs are compiled once."""
+    for with_beta in (True, False):
+        inputs = make_inputs(3, 1, 2, 77, 8, 24, la_lo=-0.02, with_beta=with_beta, with_state=with_beta)
+        if case == "log_alpha=-1e4":
+            inputs["log_alpha"] = jnp.full_like(inputs["log_alpha"], -1e4)
+        elif case == "log_alpha=0":
+            inputs["log_alpha"] = jnp.zeros_like(inputs["log_alpha"])
+        else:
+            reset = np.zeros((1, 2, 77), bool)
+            reset[..., [5, 31, 32, 40, 70]] = True
+            inputs["log_alpha"] = jnp.where(reset, -1e4, inputs["log_alpha"])
+        assert_close(errors(ssd(32), inputs, seed=3), TOLERANCES["float32"])
+
+
+def test_scale_beta_range_and_x64():
+    """scale != dk^-1/2, beta over [0, 2], with jax_enable_x64 on (indices stay int32 inside the kernels;
+    the inputs are float32 as the kernels require)."""
+    inputs = make_inputs(4, 2, 1, 40, 16, 8, beta_range=(0.0, 2.0))
+    with jax.enable_x64():
+        errs = errors(ssd(16, scale=0.7), inputs, seed=4, scale=0.7)
+    assert_close(errs, TOLERANCES["float32"])
+
+
+@pytest.mark.parametrize("dtype, with_beta", [("bfloat16", True), ("float16", False)])
+def test_low_precision_inputs(dtype, with_beta):
+    inputs = make_inputs(31, 1, 2, 45, 8, 16, dtype=jnp.dtype(dtype), with_beta=with_beta)
+    assert_close(errors(ssd(32), inputs, seed=31), LOW_PRECISION_TOL[dtype])
+
+
+def deterministic_results(fn, inputs, seed):
+    """Output, final state and gradients of two identical calls, asserted bit-identical; returns them."""
+    cot = random_cotangents(inputs, seed)
+    names = tuple(inputs)
+    run = _jitted_grads(fn, names)
+    first = jax.tree_util.tree_leaves(run(tuple(inputs[n] for n in names), cot))
+    second = jax.tree_util.tree_leaves(run(tuple(inputs[n] for n in names), cot))
+    for a, b in zip(first, second):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+    return first, cot
+
+
+def test_deterministic_and_jit_vmap():
+    inputs = make_inputs(21, 1, 2, 77, 8, 24)          # the first CASE's shapes (compiled once)
+    deterministic_results(ssd(32), inputs, 21)
+    # vmap over an extra leading axis under jit: the same as the unbatched calls
+    names = ("q", "k", "v", "log_alpha", "beta", "initial_state")
+    stacked = [jnp.stack([inputs[n], inputs[n][:, ::-1]]) for n in names]
+    fn = ssd(32)
+    out = jax.jit(jax.vmap(lambda q, k, v, la, b, s: fn(q, k, v, la, b, initial_state=s)))(*stacked)
+    np.testing.assert_allclose(out[0], fn(**inputs), rtol=1e-6, atol=1e-6)
+    flipped = {n: inputs[n][:, ::-1] for n in names}
+    np.testing.assert_allclose(out[1], fn(**flipped), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.slow
+@settings(max_examples=10)
+@given(seed=st.integers(0, 2**31 - 1), seq_len=st.integers(1, 200), dk=st.sampled_from([4, 16, 40]),
+       dv=st.sampled_from([8, 16, 33]), chunk=st.sampled_from([16, 32, 64]),
+       la_lo=st.sampled_from([-1e-3, -1.0, -100.0]), with_beta=st.booleans(), with_state=st.booleans())
+def test_matches_float64_reference_sweep(seed, seq_len, dk, dv, chunk, la_lo, with_beta, with_state):
+    inputs = make_inputs(seed, 1, 2, seq_len, dk, dv, la_lo=la_lo, with_beta=with_beta, with_state=with_state)
+    assert_close(errors(ssd(chunk), inputs, seed=seed % 1000), TOLERANCES["float32"])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Dispatch, configs
+# ---------------------------------------------------------------------------------------------------
+
+def test_dispatch_entry():
+    entry = dispatch.TABLE["gated_delta_rule"]["ssd"]
+    assert entry.kind == "pallas" and entry.target.endswith("ssd:gated_delta_rule_ssd")
+    if not on_gpu():
+        with pytest.raises(RuntimeError, match=r"^ssd requires an accelerator backend\.$"):
+            gated_delta_rule(**make_inputs(0, 1, 1, 8, 4, 4), impl="ssd")
+
+
+@pytest.mark.parametrize("family, kind", [("rtx3090", "NVIDIA GeForce RTX 3090"), ("h200", "NVIDIA H200")])
+def test_shipped_configs_fit_shared_memory(family, kind):
+    """Every shipped config fits its device's shared memory (99 KB per block on the RTX 3090) at every chunk
+    size and the largest head dims of its entry, by the static estimate."""
+    for (max_d, cls), cfg in configs.SSD_CONFIGS[family].items():
+        dtype = jnp.float32 if cls == "32" else jnp.bfloat16
+        assert ssd_config(max_d, max_d, dtype, kind) is cfg
+        for chunk in (16, 32, 64, 128):
+            check_ssd_config(cfg, max_d, max_d, chunk, dtype, kind)
+            assert ssd_smem_bytes(cfg, max_d, max_d, chunk, dtype) <= configs.smem_limit(kind)
+    with pytest.raises(ValueError, match="shared memory"):
+        check_ssd_config(SSDConfig(state_block_v=128, state_stages=4), 256, 256, 128, jnp.float32, kind)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="block"):
+        SSDConfig(block=24)
+    with pytest.raises(ValueError, match="f32_dot"):
+        SSDConfig(f32_dot="tf32")
+    with pytest.raises(ValueError, match="256"):
+        ssd_config(512, 64, jnp.float32, "NVIDIA H200")
+
+
+# ---------------------------------------------------------------------------------------------------
+# GPU (pytest -m gpu on the device machine)
+# ---------------------------------------------------------------------------------------------------
+
+# Four compiles (each fwd+bwd compiles about ten Triton kernels): the H200's transition form with beta
+# (dk 64), the two-step form without beta and dk != dv (dk 128), bf16 at dk 128, and head dims 256.
+
+@pytest.mark.gpu
+def test_gpu_float32_deterministic_and_matches_chunked():
+    inputs = make_inputs(11, 2, 2, 1000, 64, 64, la_lo=-2.0)
+    assert_close(errors(ssd(64), inputs, seed=11), TOLERANCES["float32"])
+    first, cot = deterministic_results(ssd(64), inputs, 11)
+    with jax.numpy_rank_promotion("allow"):      # the XLA path is made rank-promotion clean by issue 13
+        chunked = run_with_grads(functools.partial(gated_delta_rule, impl="chunked"), inputs, cot)
+    for a, b in zip(first, jax.tree_util.tree_leaves(chunked)):
+        assert rel_err(a, b) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dk, dv, with_beta, seq_len", [(128, 64, False, 1000), (256, 256, True, 300)])
+def test_gpu_float32(dk, dv, with_beta, seq_len):
+    inputs = make_inputs(12, 2, 2, seq_len, dk, dv, with_beta=with_beta, la_lo=-2.0)
+    assert_close(errors(ssd(64), inputs, seed=12), TOLERANCES["float32"])
+
+
+@pytest.mark.gpu
+def test_gpu_bfloat16():
+    """bf16 inputs: fla's bounds, 5e-3 relative for outputs and 2e-2 for dbeta and d log_alpha (q, k, v
+    gradients 1e-2 as tests/test_linear.py's bf16 table)."""
+    inputs = make_inputs(13, 2, 2, 1024, 128, 128, dtype=jnp.bfloat16)
+    errs = errors(ssd(64), inputs, seed=13)
+    bounds = {"o": 5e-3, "final_state": 5e-3, "dbeta": 2e-2, "dlog_alpha": 2e-2}
+    bad = {n: e for n, e in errs.items() if not e <= bounds.get(n, 1e-2)}
+    assert not bad, (bad, errs)
