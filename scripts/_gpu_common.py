@@ -1,4 +1,4 @@
-"""Helpers shared by the GPU check-and-time scripts (gpu_flash.py, gpu_flash_bwd.py, gpu_decode.py, gpu_paged.py)."""
+"""Helpers shared by the GPU check-and-time scripts (gpu_ab.py, gpu_paged.py, gpu_ssd.py)."""
 
 from __future__ import annotations
 

@@ -213,8 +213,7 @@ def test_gpu_float32_deterministic_and_matches_chunked():
     inputs = make_inputs(11, 2, 2, 1000, 64, 64, la_lo=-2.0)
     assert_close(errors(ssd(64), inputs, seed=11), TOLERANCES["float32"])
     first, cot = deterministic_results(ssd(64), inputs, 11)
-    with jax.numpy_rank_promotion("allow"):      # the XLA path is made rank-promotion clean by issue 13
-        chunked = run_with_grads(functools.partial(gated_delta_rule, impl="chunked"), inputs, cot)
+    chunked = run_with_grads(functools.partial(gated_delta_rule, impl="chunked"), inputs, cot)
     for a, b in zip(first, jax.tree_util.tree_leaves(chunked)):
         assert rel_err(a, b) < 1e-5
 

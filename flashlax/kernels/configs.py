@@ -105,7 +105,7 @@ def smem_limit(device_kind: str | None = None) -> int:
 # The largest padded head dim (of D and Dv) picks the entry. Every entry fits its family's limit at
 # that head dim (tests/test_kernel_configs.py).
 FWD_CONFIGS: dict[str, dict[tuple[int, str], FlashConfig]] = {
-    # Measured on the H200 (scripts/gpu_flash.py, docs/PERF_NOTES.md). float32 runs its matmuls on the
+    # Measured on the H200 (docs/PERF_NOTES.md). float32 runs its matmuls on the
     # CUDA cores (IEEE, no tf32): large tiles spill registers (64x64 took 11x longer than 64x32).
     "h200": {
         (64, "16"): FlashConfig(128, 128, 4, 3),

@@ -107,7 +107,7 @@ class BwdConfig:
 # Configs: family -> {(max padded head dim, dtype class "16" or "32"): config}, as the forward's table.
 # Every entry fits its family's shared-memory budget at its head dim (tests/test_flash_kernel_bwd.py).
 BWD_CONFIGS: dict[str, dict[tuple[int, str], BwdConfig]] = {
-    # H200 bf16 D128, B2 Hq32 Hkv8 T4096 causal (scripts/gpu_flash_bwd.py, docs/PERF_NOTES.md): backward
+    # H200 bf16 D128, B2 Hq32 Hkv8 T4096 causal (docs/PERF_NOTES.md): backward
     # 64/64 64/64 w4 s2 2.19 ms; 32/64 64/32 w4 s3 3.08; 32/128 w8 3.19; 32/128 w4 17.5 (two f32
     # [128, 128] accumulators on 4 warps spill registers). Entries other than (128, "16") follow the same
     # rule (accumulator floats per thread <= ~128) but were not timed.
