@@ -349,6 +349,16 @@ class TileMod:
         return out.astype(jnp.float32) if self.kind == "score" else out.astype(jnp.bool_)
 
 
+def make_tile_mods(score_mod: Callable | None, mask_mod: Callable | None):
+    """(score TileMod or None, mask TileMod or None), or None when a mod reads its captured arrays in a way
+    a kernel cannot (a slice or a reduction, not a point read: UnsupportedModError); the caller then takes
+    its XLA path, which computes the same result. Mods are traced once, for scalars."""
+    try:
+        return TileMod.make(score_mod, "score"), TileMod.make(mask_mod, "mask")
+    except UnsupportedModError:
+        return None
+
+
 def _count_tile_reads(jaxpr, taint: dict, captured: set) -> int:
     """Counts gathers / dynamic slices of captured arrays whose indices depend on both q and kv."""
     def get(v):

@@ -306,17 +306,14 @@ def decode_attention_pallas(q, k_cache, v_cache, *, kv_lens=None, block_table=No
     scale = float(d ** -0.5 if scale is None else scale)
     kv_lens = (jnp.full((batch,), max_len, jnp.int32) if kv_lens is None
                else jnp.asarray(kv_lens).astype(jnp.int32))
-    try:
-        score_tm = TileMod.make(score_mod, "score")
-        mask_tm = TileMod.make(mask_mod, "mask")
-    except _tiles.UnsupportedModError:
-        # A mod reads a captured array in a way the kernel cannot (a slice or a reduction, not a point
-        # read): the XLA split-KV path computes the same result.
+    tile_mods = _tiles.make_tile_mods(score_mod, mask_mod)
+    if tile_mods is None:       # a mod the kernel cannot evaluate on tiles: the XLA split-KV path
         from flashlax.fallbacks.decode import decode_attention_xla
         if block_table is not None:
             k_cache, v_cache = (paged.gather_pages(c, block_table) for c in (k_cache, v_cache))
         return decode_attention_xla(q, k_cache, v_cache, kv_lens=kv_lens, scale=scale, num_splits=num_splits,
                                     score_mod=score_mod, mask_mod=mask_mod, return_lse=return_lse)
+    score_tm, mask_tm = tile_mods
     out, lse, splits = kernel_outputs(q, k_cache, v_cache, kv_lens, scale=scale, num_splits=num_splits,
                                       score_tm=score_tm, mask_tm=mask_tm, interpret=interpret, config=config,
                                       device_kind=device_kind, block_table=block_table)

@@ -489,13 +489,8 @@ def flex_attention_pallas(q, k, v, *, score_mod=None, mask_mod=None, block_mask=
     scale = float(d ** -0.5 if scale is None else scale)
     if mask_mod is None and block_mask is not None:
         mask_mod = block_mask.mask_mod
-    try:
-        # Mods are traced once, for scalars; their captured arrays become kernel inputs.
-        score_tm = TileMod.make(score_mod, "score")
-        mask_tm = TileMod.make(mask_mod, "mask")
-    except _tiles.UnsupportedModError:
-        # A mod reads its captured arrays in a way the kernel cannot (a slice or reduction, not a point
-        # read): run the blockwise XLA path instead (same results, memory linear in length).
+    tile_mods = _tiles.make_tile_mods(score_mod, mask_mod)    # captured arrays become kernel inputs
+    if tile_mods is None:       # a mod the kernel cannot evaluate on tiles: the blockwise XLA path
         from flashlax.fallbacks.attention import flex_attention_xla
         if block_table is not None:
             k, v = (paged.gather_pages(x, block_table) for x in (k, v))
@@ -503,6 +498,7 @@ def flex_attention_pallas(q, k, v, *, score_mod=None, mask_mod=None, block_mask=
             k, v = (paged.zero_past(x, kv_lens) for x in (k, v))
         return flex_attention_xla(q, k, v, score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask,
                                   scale=scale, return_lse=return_lse, return_max=return_max)
+    score_tm, mask_tm = tile_mods
     tile_reads = sum(tm.tile_reads for tm in (score_tm, mask_tm) if tm is not None)
     kind = device_kind
     if kind is None:
