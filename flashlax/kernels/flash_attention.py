@@ -36,6 +36,7 @@ from flashlax.fallbacks.attention import broadcast_kv_batch, mask_extent
 from flashlax.kernels import _tiles
 from flashlax.kernels._tiles import LOG2E, TileMod, pow2
 from flashlax.kernels.configs import FlashConfig, check_config, flash_config, shrink_to_fit
+from flashlax.parallel.vma import cotangent_like, out_struct
 
 _SUPPORTED_TILES = (16, 32, 64, 128, 256)
 
@@ -211,8 +212,8 @@ def _forward_call(st: _Static, q, k, v, bm: masks_lib.BlockMask | None, captured
         in_specs=in_specs,
         out_specs=[_spec((None, qh, lq, dvp), lambda h, i, b: (b, h, 0, 0)),
                    _spec((None, qh, lq), lambda h, i, b: (b, h, 0))],
-        out_shape=[jax.ShapeDtypeStruct((bsz, hq, lq, dv), q.dtype),
-                   jax.ShapeDtypeStruct((bsz, hq, lq), jnp.float32)],
+        out_shape=[out_struct((bsz, hq, lq, dv), q.dtype, *args),
+                   out_struct((bsz, hq, lq), jnp.float32, *args)],
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=st.interpret,
         name="flex_attention_fwd",
@@ -243,8 +244,8 @@ def _flash_bwd(st, res, cts):
         dq, dk, dv, dcap = _xla_vjp(st, q, k, v, bm, captured, dout, dlse)
     else:
         dq, dk, dv, dcap = _kernel_vjp(st, q, k, v, bm, captured, out, lse, dout)
-    dcap = tuple(None if not _is_float(c) else g for c, g in zip(captured, dcap))
-    return dq, dk, dv, None, dcap
+    dcap = tuple(None if not _is_float(c) else cotangent_like(g, c) for c, g in zip(captured, dcap))
+    return cotangent_like(dq, q), cotangent_like(dk, k), cotangent_like(dv, v), None, dcap
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -341,7 +342,6 @@ def _resolve_block_mask(block_mask, mask_mod, cfg: FlashConfig, pack: int, bsz, 
         if mask_mod is None:
             return None, cfg, 1
         return build(*mask_extent(mask_mod, bsz, hq))
-    bm_b, bm_h, bm_q, bm_kv = block_mask.shape
     tiles = (block_mask.block_q, block_mask.block_kv)
     if tiles[0] * pack in _SUPPORTED_TILES and tiles[1] in _SUPPORTED_TILES:
         kv = cfg.block_kv if tiles[1] % cfg.block_kv == 0 else tiles[1]
@@ -352,21 +352,12 @@ def _resolve_block_mask(block_mask, mask_mod, cfg: FlashConfig, pack: int, bsz, 
         raise ValueError(f"flex_attention_pallas: block_mask tiles {tiles} are not a supported kernel tile "
                          f"(powers of two 16..256 within the shared-memory budget) and there is no mask_mod "
                          f"to rebuild it with tiles ({cfg.block_q // pack}, {cfg.block_kv})")
-    return build(bsz if bm_b > 1 else None, hq if bm_h > 1 else None)
+    return build(*mask_extent(mask_mod, bsz, hq))
 
 
-def flex_attention_pallas(q, k, v, *, score_mod=None, mask_mod=None, block_mask=None, scale=None,
-                          return_lse=False, interpret=False, config: FlashConfig | None = None,
-                          device_kind: str | None = None):
-    """Flash attention with flex mods, Pallas/Triton kernel.
-
-    q: [B, Hq, Lq, D], k: [B, Hkv, Lkv, D], v: [B, Hkv, Lkv, Dv], Hq % Hkv == 0 (query head h reads KV
-    head h // (Hq // Hkv)). score_mod(score, b, h, q_idx, kv_idx), mask_mod(b, h, q_idx, kv_idx);
-    block_mask: a BlockMask (its tiles become the kernel's tiles when supported, else it is rebuilt from
-    the mask_mod) or None. Returns out [B, Hq, Lq, Dv] in q's dtype, or (out, lse [B, Hq, Lq] float32).
-    ``config``: a FlashConfig (default: :func:`flash_config` for the device kind, head dims and dtype).
-    Differentiable in q, k, v and float arrays captured by the mods.
-    """
+def _setup(q, k, v, score_mod, mask_mod, block_mask, scale, return_lse, interpret, config, device_kind):
+    """Config, block mask and traced mods of one call: ``(st, k, v, bm, captured)`` with K/V broadcast to
+    q's batch, or None when a mod needs the XLA path."""
     k, v = broadcast_kv_batch(q, k, v)    # K/V of batch 1 (FlexAttention broadcasts them)
     _check_inputs(q, k, v)
     bsz, hq, lq, d = q.shape
@@ -379,11 +370,7 @@ def flex_attention_pallas(q, k, v, *, score_mod=None, mask_mod=None, block_mask=
         score_tm = TileMod.make(score_mod, "score")
         mask_tm = TileMod.make(mask_mod, "mask")
     except _tiles.UnsupportedModError:
-        # A mod reads its captured arrays in a way the kernel cannot (a slice or reduction, not a point
-        # read): run the blockwise XLA path instead (same results, memory linear in length).
-        from flashlax.fallbacks.attention import flex_attention_xla
-        return flex_attention_xla(q, k, v, score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask,
-                                  scale=scale, return_lse=return_lse)
+        return None             # a mod reads a captured array other than point-wise: the XLA path
     tile_reads = sum(tm.tile_reads for tm in (score_tm, mask_tm) if tm is not None)
     kind = device_kind
     if kind is None:
@@ -430,5 +417,69 @@ def flex_attention_pallas(q, k, v, *, score_mod=None, mask_mod=None, block_mask=
                  n_score_cap=score_tm.num_captured if score_tm else 0, has_block_mask=bm is not None,
                  return_lse=bool(return_lse), interpret=bool(interpret),
                  reverse_q=bm is not None, pack=pack, kv_sub=kv_sub)
+    return st, k, v, bm, captured
+
+
+def flex_attention_pallas(q, k, v, *, score_mod=None, mask_mod=None, block_mask=None, scale=None,
+                          return_lse=False, interpret=False, config: FlashConfig | None = None,
+                          device_kind: str | None = None):
+    """Flash attention with flex mods, Pallas/Triton kernel.
+
+    q: [B, Hq, Lq, D], k: [B, Hkv, Lkv, D], v: [B, Hkv, Lkv, Dv], Hq % Hkv == 0 (query head h reads KV
+    head h // (Hq // Hkv)). score_mod(score, b, h, q_idx, kv_idx), mask_mod(b, h, q_idx, kv_idx);
+    block_mask: a BlockMask (its tiles become the kernel's tiles when supported, else it is rebuilt from
+    the mask_mod) or None. Returns out [B, Hq, Lq, Dv] in q's dtype, or (out, lse [B, Hq, Lq] float32).
+    ``config``: a FlashConfig (default: :func:`flash_config` for the device kind, head dims and dtype).
+    Differentiable in q, k, v and float arrays captured by the mods.
+    """
+    prep = _setup(q, k, v, score_mod, mask_mod, block_mask, scale, return_lse, interpret, config, device_kind)
+    if prep is None:
+        # A mod reads its captured arrays in a way the kernel cannot (a slice or reduction, not a point
+        # read): run the blockwise XLA path instead (same results, memory linear in length).
+        from flashlax.fallbacks.attention import flex_attention_xla
+        return flex_attention_xla(q, k, v, score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask,
+                                  scale=float(q.shape[-1] ** -0.5 if scale is None else scale),
+                                  return_lse=return_lse)
+    st, k, v, bm, captured = prep
     out, lse = _flash(st, q, k, v, bm, captured)
     return (out, lse) if return_lse else out
+
+
+def kernel_passes(q, k, v, *, score_mod=None, mask_mod=None, block_mask=None, scale, return_lse=False,
+                  interpret=False):
+    """The kernels of one call as two passes, without the custom_vjp (what ring attention runs per K/V
+    block): ``(forward, backward, score_consts)`` as :func:`flashlax.fallbacks.attention.blockwise_passes`,
+    whose passes it returns when a mod needs the XLA path."""
+    prep = _setup(q, k, v, score_mod, mask_mod, block_mask, scale, return_lse, interpret, None, None)
+    if prep is None:
+        from flashlax.fallbacks.attention import blockwise_passes
+        return blockwise_passes(q, k, v, score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask,
+                                scale=scale)
+    st, kb, vb, bm, captured = prep
+    score_consts = captured[:st.n_score_cap]
+
+    def forward():
+        return _forward_call(st, q, kb, vb, bm, captured)
+
+    if return_lse or _kernel_bwd() is None:
+        # The backward kernels take no lse cotangent: the XLA path's backward, from the same out and lse.
+        from flashlax.fallbacks.attention import blockwise_passes
+        _, xla_backward, xla_consts = blockwise_passes(q, k, v, score_mod=score_mod, mask_mod=mask_mod,
+                                                       block_mask=block_mask, scale=st.scale)
+
+        def backward(out, lse, dout, dlse):
+            dq, dk, dv, d_xla = xla_backward(out, lse, dout, dlse)
+            return dq, dk, dv, tuple(next((g for x, g in zip(xla_consts, d_xla) if x is c), jnp.zeros_like(c))
+                                     for c in score_consts)
+
+        return forward, backward, score_consts
+
+    def backward(out, lse, dout, dlse):
+        dq, dk, dv, _, dcap = _flash_bwd(st, (q, kb, vb, bm, captured, out.astype(q.dtype), lse),
+                                         (dout.astype(q.dtype), dlse))
+        if k.shape[0] != kb.shape[0]:    # K/V of batch 1 broadcast over the batch
+            dk, dv = dk.sum(0, keepdims=True), dv.sum(0, keepdims=True)
+        d_score = tuple(jnp.zeros_like(c) if g is None else g for c, g in zip(score_consts, dcap))
+        return dq, dk, dv, d_score
+
+    return forward, backward, score_consts
