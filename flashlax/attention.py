@@ -19,6 +19,7 @@ from jax import lax
 from flashlax import _mods, dispatch
 from flashlax import masks as masks_lib
 from flashlax.masks import BlockMask
+from flashlax.parallel import shard as parallel
 
 
 def _shape_error(name: str, what: str, **shapes) -> ValueError:
@@ -118,7 +119,7 @@ def _check_block_mask(op: str, block_mask, mask_mod, q, k) -> None:
 def flex_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, score_mod: Callable | None = None,
                    mask_mod: Callable | None = None, block_mask: BlockMask | None = None,
                    scale: float | None = None, return_lse: bool = False, impl: str | None = None,
-                   interpret: bool = False):
+                   interpret: bool = False, context_axis: str | None = None):
     """Softmax attention with FlexAttention-style score and mask mods (GQA native).
 
     Args:
@@ -134,9 +135,16 @@ def flex_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, score_mod: Calla
       return_lse: also return the log-sum-exp [B, Hq, Lq] float32 (natural log).
       impl: None (the backend's default), "xla", "repeat" or "pallas" (GPU kernel).
       interpret: run the Pallas kernel in the Pallas interpreter (CPU testing).
+      context_axis: a mesh axis name: context parallelism. The sequence (Lq and Lkv) is split over that
+        axis, contiguously in axis order, and the op runs ring attention (K/V blocks passed around the
+        axis with ``jax.lax.ppermute`` while each device computes, forward and backward). Masked calls
+        run on a load-balanced zigzag order internally. Mods get global positions. Needs a mesh
+        (``jax.set_mesh``, Explicit shardings of the inputs, or a ``shard_map`` over that axis); impl
+        "xla" or "pallas". See docs/API.md, "Sharding and context parallelism".
 
     Returns:
       out [B, Hq, Lq, Dv] in q's dtype, or (out, lse). Fully masked rows give out 0 and lse -inf.
+      Sharded inputs (batch, heads) give outputs sharded like them.
 
     Raises:
       ValueError: bad shapes/dtypes, a mod with the wrong arguments or result type, a block mask that does
@@ -155,9 +163,10 @@ def flex_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, score_mod: Calla
         _check_block_mask(op, block_mask, mask_mod, q, k)
     effective_mask = mask_mod if mask_mod is not None else (block_mask.mask_mod if block_mask is not None else None)
     scale, score_mod = resolve_scale(op, scale, q.shape[3], score_mod)
-    _, fn = dispatch.resolve(op, impl, interpret=interpret)
-    return fn(q, k, v, score_mod=score_mod, mask_mod=effective_mask, block_mask=block_mask, scale=scale,
-              return_lse=bool(return_lse), interpret=interpret)
+    entry, fn = dispatch.resolve(op, impl, interpret=interpret)
+    return parallel.flex_attention(fn, entry.name, q, k, v, score_mod=score_mod, mask_mod=effective_mask,
+                                   block_mask=block_mask, scale=scale, return_lse=bool(return_lse),
+                                   interpret=interpret, context_axis=context_axis)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -241,8 +250,11 @@ def _dot_product_attention(query, key, value, bias, mask, dynamic_scale, query_s
     if mask_mod is not None:
         # jax masks with a large finite negative logit, so a row with every key masked averages all values.
         groups = heads // kv_heads
-        mean_v = jnp.repeat(value.astype(jnp.float32).mean(axis=1), groups, axis=1)  # [B, N, H]
-        out = jnp.where(fully_masked[..., None], mean_v[:, None].astype(out.dtype), out)
+        # Per KV group ([B, T, K, G, H] views: a split of the head axis, which keeps a head sharding).
+        mean_v = value.astype(jnp.float32).mean(axis=1)[:, None, :, None, :].astype(out.dtype)  # [B, 1, K, 1, H]
+        grouped = (batch, q_len, kv_heads, groups)
+        out = jnp.where(fully_masked.reshape(grouped)[..., None], mean_v, out.reshape(grouped + (-1,)))
+        out = out.reshape(batch, q_len, heads, -1)
     if query_seq_lengths is not None:
         rows = jnp.arange(q_len)[None, :, None, None] < query_seq_lengths[:, None, None, None]
         out = out * rows.astype(out.dtype)
