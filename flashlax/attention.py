@@ -160,7 +160,8 @@ def flex_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, score_mod: Calla
     check_attention_inputs(op, q, k, v)
     check_mods(op, score_mod, mask_mod)
     if block_mask is not None:
-        _check_block_mask(op, block_mask, mask_mod, q, k)
+        # Inside the caller's shard_map over context_axis, q and k are shards of the masked sequence.
+        _check_block_mask(op, block_mask, mask_mod, *parallel.global_shapes(q, k, context_axis=context_axis))
     effective_mask = mask_mod if mask_mod is not None else (block_mask.mask_mod if block_mask is not None else None)
     scale, score_mod = resolve_scale(op, scale, q.shape[3], score_mod)
     entry, fn = dispatch.resolve(op, impl, interpret=interpret)

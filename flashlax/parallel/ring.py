@@ -276,7 +276,7 @@ def flex_attention(placement: Placement, impl: str, q, k, v, *, score_mod, mask_
         raise ValueError(f"{op}: context_axis runs ring attention with impl 'xla' or 'pallas', got impl={impl!r}")
     masked = mask_mod is not None or block_mask is not None
     chunks = 2 * parts if masked else parts
-    lq, lkv = q.shape[2], k.shape[2]
+    lq, lkv = placement.global_len(q.shape[2]), placement.global_len(k.shape[2])
     if lq % chunks or lkv % chunks:
         order = f"2 x {parts} chunks (the zigzag order of a masked call)" if masked else f"{parts} parts"
         raise ValueError(f"{op}: Lq={lq} and Lkv={lkv} must split evenly over context_axis={axis!r} into "

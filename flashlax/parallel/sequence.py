@@ -46,7 +46,7 @@ def decode_attention(placement: Placement, call, q, k_cache, v_cache, kv_lens, *
                      return_lse: bool):
     op = "decode_attention"
     axis, parts = placement.context, placement.context_size
-    max_len, q_len = k_cache.shape[2], q.shape[2]
+    max_len, q_len = placement.global_len(k_cache.shape[2]), q.shape[2]
     if max_len % parts or max_len // parts < q_len:
         raise ValueError(f"{op}: the cache length Lmax={max_len} must split evenly over context_axis={axis!r} "
                          f"({parts} devices) into parts of at least Lq={q_len} rows (k_cache {k_cache.shape})")
@@ -76,7 +76,7 @@ def gated_delta_rule(placement: Placement, call, q, k, v, log_alpha, beta, initi
                      return_final_state: bool):
     op = "gated_delta_rule"
     axis, parts = placement.context, placement.context_size
-    if q.shape[2] % parts:
+    if placement.global_len(q.shape[2]) % parts:
         raise ValueError(f"{op}: the sequence length T={q.shape[2]} must split evenly over context_axis="
                          f"{axis!r} ({parts} devices) (q {q.shape})")
 

@@ -97,6 +97,11 @@ class Placement:
     def context_size(self) -> int:
         return self.mesh.shape[self.context]
 
+    def global_len(self, local_len: int) -> int:
+        """A sequence length of the whole sequence (the arrays are shards of it when the caller's
+        shard_map made the context axis manual)."""
+        return local_len * self.context_size if self.context_manual else local_len
+
     @property
     def manual(self) -> frozenset:
         return frozenset(name for letter in "bhks" for name in self.names(letter))
@@ -175,6 +180,17 @@ def plan(op: str, q, *others, heads: int, kv_heads: int, context_axis: str | Non
                              f"{kv_heads} K/V heads nor puts whole groups on a device (Hq={heads}, G={groups}); "
                              "use a head axis size that divides Hkv")
     return Placement(mesh, {"b": batch, "h": head, "k": kv}, context_axis, context_manual, check_vma)
+
+
+def global_shapes(*arrays, context_axis: str | None):
+    """Shapes (``jax.ShapeDtypeStruct``) of [B, H, L, D] arrays with L the whole sequence's length: inside
+    the caller's shard_map over ``context_axis`` the arrays hold 1 / n of it."""
+    mesh = jax.sharding.get_abstract_mesh()
+    parts = 1
+    if context_axis is not None and not mesh.empty and context_axis in mesh.axis_names \
+            and mesh._name_to_type[context_axis] == AxisType.Manual:
+        parts = mesh.shape[context_axis]
+    return tuple(jax.ShapeDtypeStruct(x.shape[:2] + (x.shape[2] * parts,) + x.shape[3:], x.dtype) for x in arrays)
 
 
 def local_kv_heads(placement: Placement, k, v, heads: int, kv_heads: int, h0):
