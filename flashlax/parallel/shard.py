@@ -19,6 +19,7 @@ the XLA paths along batch and heads on its own (the types say nothing about Auto
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 import jax
@@ -52,6 +53,12 @@ def _explicit_axes(x, dim: int) -> tuple[str, ...]:
         return ()
     entry = spec[dim]
     return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _auto_axes() -> tuple[str, ...]:
+    """Axes of the context mesh (``jax.set_mesh``) of type Auto with more than one device."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return () if mesh.empty else tuple(a for a in mesh.auto_axes if mesh.shape[a] > 1)
 
 
 def _is_sharded(x) -> bool:
@@ -321,6 +328,10 @@ def gated_delta_rule(fn: Callable, q, k, v, log_alpha, beta, *, initial_state, r
                   **options)
 
     if placement is None:
+        if getattr(fn, "keywords", {}).get("sequential_heads") and _auto_axes():
+            # One (batch, head) slice at a time is a lax.map, which XLA's partitioner cannot split: on an
+            # Auto mesh the batched program keeps the inputs' batch/head sharding.
+            fn = functools.partial(fn, sequential_heads=False)
         return call(q, k, v, log_alpha, beta, initial_state)
     if context_axis is not None:
         from flashlax.parallel import sequence

@@ -3,6 +3,7 @@ one device; and under jit on an Auto mesh (XLA's partitioner splits the XLA path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
@@ -78,13 +79,19 @@ def test_pallas_inside_shard_map(op):
     assert_close(jax.jit(mapped)(q, k, v), jax.jit(fn)(q, k, v))
 
 
-@pytest.mark.parametrize("case", ["flex_xla", "decode_xla", "dot_product_attention", "gdr_recurrent"])
+@pytest.mark.parametrize("case", ["flex_xla", "decode_xla", "dot_product_attention", "gdr_recurrent", "gdr_chunked"])
 def test_auto_mesh(case):
-    """Auto axes do not show in the types: XLA's SPMD partitioner splits the XLA paths by itself."""
+    """Auto axes do not show in the types: XLA's SPMD partitioner splits the XLA paths by itself. (The
+    chunked gated_delta_rule gathers its small inverted diagonal blocks, [N, B, H, C / 8, 8, 8], whose
+    flattening into one batch axis the partitioner cannot split; never q/k/v.)"""
     fn, kind, _ = CASES[case]
     args = _inputs(kind)
     with jax.set_mesh(MESH):
         got, gathers = run_and_gathers(fn, TABLE, *put(MESH, BH, *args))
-    assert gathers == []
+    if case == "gdr_chunked":
+        sizes = [np.prod([int(n) for n in g.split("[")[1].split("]")[0].split(",")]) for g in gathers]
+        assert all(size < args[0].size for size in sizes), gathers
+    else:
+        assert gathers == []
     assert_close(got, jax.jit(fn)(TABLE, *args))
     assert specs(got)[0][:2] == ("b", "h")
