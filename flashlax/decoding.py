@@ -98,9 +98,9 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, *, kv
                                    or not 1 <= num_splits <= max_len):
         raise ValueError(f"{op}: num_splits must be None or an int in [1, Lmax={max_len}], got {num_splits!r}")
     scale, score_mod = resolve_scale(op, scale, head_dim, score_mod)
-    _, fn = dispatch.resolve(op, impl, interpret=interpret)
+    entry, fn = dispatch.resolve(op, impl, interpret=interpret)
     q, k_cache, v_cache = _not_differentiable(q, k_cache, v_cache)
-    result = parallel.decode_attention(fn, q, k_cache, v_cache, kv_lens=kv_lens, scale=scale, num_splits=num_splits,
+    result = parallel.decode_attention(fn, entry.name, q, k_cache, v_cache, kv_lens=kv_lens, scale=scale, num_splits=num_splits,
                                        score_mod=score_mod, mask_mod=mask_mod, return_lse=bool(return_lse),
                                        interpret=interpret, context_axis=context_axis)
     if not traced_lens:

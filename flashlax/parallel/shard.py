@@ -91,6 +91,7 @@ class Placement:
     context: str | None = None
     context_manual: bool = False
     check_vma: bool = True
+    auto: bool = False          # an Auto mesh: the split is chosen at compile time (parallel/auto.py)
 
     def names(self, letter: str) -> tuple[str, ...]:
         if letter == "s":
@@ -149,8 +150,22 @@ class Placement:
                              axis_names=set(self.manual), check_vma=self.check_vma)(*args)
 
 
+    def run_mods(self, local: Callable, mods, args: tuple, layouts: tuple, out_layouts, *, kv_heads: int = 1,
+                 differentiable: bool = False):
+        """``local(placement, mods, *args)`` per shard, as :meth:`run`; ``mods`` ((mod, kind), ...) are handed
+        to ``local`` (rebuilt from explicit operands on an Auto mesh, where the split is only known when XLA
+        partitions the program: :mod:`flashlax.parallel.auto`)."""
+        if self.auto:
+            from flashlax.parallel import auto
+            make = lambda mesh, axes: Placement(mesh, axes, check_vma=self.check_vma)
+            return auto.run(make, local, mods, args, layouts, out_layouts, kv_heads=kv_heads,
+                            differentiable=differentiable)
+        plain = tuple(mod for mod, _ in mods)
+        return self.run(lambda *a: local(self, plain, *a), args, layouts, out_layouts)
+
+
 def plan(op: str, q, *others, heads: int, kv_heads: int, context_axis: str | None = None,
-         check_vma: bool = True) -> Placement | None:
+         check_vma: bool = True, kernel: bool = False) -> Placement | None:
     """The placement of an op's call, or None when nothing is sharded (the op runs as on one device).
 
     Batch and head axes come from q's type; ``context_axis`` (validated here) splits the sequence.
@@ -176,7 +191,8 @@ def plan(op: str, q, *others, heads: int, kv_heads: int, context_axis: str | Non
         # Inside the caller's shard_map over the context axis the arrays are already local shards.
         context_manual = mesh._name_to_type[context_axis] == AxisType.Manual
     elif not batch and not head and not any(_is_sharded(x) for x in (q, *others) if x is not None):
-        return None
+        # On an Auto mesh XLA's partitioner splits the XLA paths by itself, not a kernel (a custom call).
+        return Placement(mesh, {}, check_vma=check_vma, auto=True) if kernel and _auto_axes() else None
     n_head = _axis_size(mesh, head)
     kv = head if kv_heads % n_head == 0 else ()
     if not kv and n_head > 1:
@@ -256,7 +272,7 @@ def flex_attention(fn: Callable, impl: str, q, k, v, *, score_mod, mask_mod, blo
     op = "flex_attention"
     heads, kv_heads = q.shape[1], k.shape[1]
     placement = plan(op, q, k, v, heads=heads, kv_heads=kv_heads, context_axis=context_axis,
-                     check_vma=not interpret)
+                     check_vma=not interpret, kernel=impl == "pallas")
     if context_axis is not None:
         from flashlax.parallel import ring
         return ring.flex_attention(placement, impl, q, k, v, score_mod=score_mod, mask_mod=mask_mod,
@@ -268,7 +284,8 @@ def flex_attention(fn: Callable, impl: str, q, k, v, *, score_mod, mask_mod, blo
         return call(q, k, v, score_mod, mask_mod, block_mask)
     batch = q.shape[0]
 
-    def local(q, k, v, block_mask):
+    def local(placement, mods, q, k, v, block_mask):
+        score_mod, mask_mod = mods
         b0 = placement.offset("b", q.shape[0])
         h0 = placement.offset("h", q.shape[1])
         k, v = local_kv_heads(placement, k, v, heads, kv_heads, h0)
@@ -278,19 +295,19 @@ def flex_attention(fn: Callable, impl: str, q, k, v, *, score_mod, mask_mod, blo
         return call(q, k, v, shift_mod(score_mod, "score", b=b0, h=h0), local_mask, block_mask)
 
     out_layouts = ("bh..", "bh.") if return_lse else "bh.."
-    return placement.run(local, (q, k, v, block_mask),
-                         ("bh..", "bk..", "bk..", block_mask_layouts(block_mask, batch, heads)),
-                         out_layouts)
+    return placement.run_mods(local, ((score_mod, "score"), (mask_mod, "mask")), (q, k, v, block_mask),
+                              ("bh..", "bk..", "bk..", block_mask_layouts(block_mask, batch, heads)), out_layouts,
+                              kv_heads=kv_heads, differentiable=True)
 
 
-def decode_attention(fn: Callable, q, k_cache, v_cache, *, kv_lens, scale, num_splits, score_mod, mask_mod,
-                     return_lse: bool, interpret: bool, context_axis: str | None):
+def decode_attention(fn: Callable, impl: str, q, k_cache, v_cache, *, kv_lens, scale, num_splits, score_mod,
+                     mask_mod, return_lse: bool, interpret: bool, context_axis: str | None):
     """decode_attention's implementation ``fn`` per shard of the batch and heads, or over a cache split
     along its sequence axis (``context_axis``, :func:`flashlax.parallel.sequence.decode_attention`)."""
     op = "decode_attention"
     heads, kv_heads = q.shape[1], k_cache.shape[1]
     placement = plan(op, q, k_cache, v_cache, heads=heads, kv_heads=kv_heads, context_axis=context_axis,
-                     check_vma=not interpret)
+                     check_vma=not interpret, kernel=impl == "pallas")
 
     def call(q, k_cache, v_cache, kv_lens, score_mod, mask_mod, return_lse=return_lse):
         return fn(q, k_cache, v_cache, kv_lens=kv_lens, scale=scale, num_splits=num_splits, score_mod=score_mod,
@@ -303,15 +320,17 @@ def decode_attention(fn: Callable, q, k_cache, v_cache, *, kv_lens, scale, num_s
         return sequence.decode_attention(placement, call, q, k_cache, v_cache, kv_lens, score_mod=score_mod,
                                          mask_mod=mask_mod, return_lse=return_lse)
 
-    def local(q, k_cache, v_cache, kv_lens):
+    def local(placement, mods, q, k_cache, v_cache, kv_lens):
+        score_mod, mask_mod = mods
         b0 = placement.offset("b", q.shape[0])
         h0 = placement.offset("h", q.shape[1])
         k_cache, v_cache = local_kv_heads(placement, k_cache, v_cache, heads, kv_heads, h0)
         return call(q, k_cache, v_cache, kv_lens, shift_mod(score_mod, "score", b=b0, h=h0),
                     shift_mod(mask_mod, "mask", b=b0, h=h0))
 
-    return placement.run(local, (q, k_cache, v_cache, kv_lens), ("bh..", "bk..", "bk..", "b"),
-                         ("bh..", "bh.") if return_lse else "bh..")
+    return placement.run_mods(local, ((score_mod, "score"), (mask_mod, "mask")), (q, k_cache, v_cache, kv_lens),
+                              ("bh..", "bk..", "bk..", "b"), ("bh..", "bh.") if return_lse else "bh..",
+                              kv_heads=kv_heads)
 
 
 def gated_delta_rule(fn: Callable, q, k, v, log_alpha, beta, *, initial_state, return_final_state: bool,

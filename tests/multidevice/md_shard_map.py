@@ -95,3 +95,30 @@ def test_auto_mesh(case):
         assert gathers == []
     assert_close(got, jax.jit(fn)(TABLE, *args))
     assert specs(got)[0][:2] == ("b", "h")
+
+
+@pytest.mark.parametrize("op", ["flex", "decode"])
+def test_auto_mesh_pallas(op):
+    """The Pallas kernels on an Auto mesh: custom_partitioning keeps the batch / head split (no gather),
+    mods get global b / h, gradients (captured table included) match one device."""
+    seg = (jnp.arange(L)[None, :] // 11 + jnp.arange(B)[:, None]) % 3
+    mask = masks.and_masks(masks.causal, masks.document(seg))
+    kw = dict(impl="pallas", interpret=True, mask_mod=mask)
+    if op == "flex":
+        fn = lambda t, q, k, v: flashlax.flex_attention(
+            q, k, v, score_mod=lambda s, b, h, qi, ki: s + t[qi - ki + L] * (h + 1).astype(s.dtype), **kw)
+    else:
+        fn = lambda t, q, k, v: flashlax.decode_attention(q[:, :, :2], k, v, score_mod=_rel_bias(t), **kw)
+    args = _inputs("attention")
+    loss = lambda *a: jnp.sum(jnp.sin(fn(*a)))
+    grad = jax.grad(loss, argnums=(0, 1, 2, 3))
+    with jax.set_mesh(MESH):
+        sharded = put(MESH, BH, *args)
+        got, gathers = run_and_gathers(fn, TABLE, *sharded)
+        assert gathers == [] and specs(got)[0][:2] == ("b", "h")
+        if op == "flex":
+            got_grads, gathers = run_and_gathers(grad, TABLE, *sharded)
+            assert gathers == []
+    assert_close(got, jax.jit(fn)(TABLE, *args))
+    if op == "flex":
+        assert_close(got_grads, jax.jit(grad)(TABLE, *args), what="gradients")
