@@ -100,9 +100,9 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, *, kv
     scale, score_mod = resolve_scale(op, scale, head_dim, score_mod)
     entry, fn = dispatch.resolve(op, impl, interpret=interpret)
     q, k_cache, v_cache = _not_differentiable(q, k_cache, v_cache)
-    result = parallel.decode_attention(fn, entry.name, q, k_cache, v_cache, kv_lens=kv_lens, scale=scale, num_splits=num_splits,
-                                       score_mod=score_mod, mask_mod=mask_mod, return_lse=bool(return_lse),
-                                       interpret=interpret, context_axis=context_axis)
+    result = parallel.decode_attention(fn, entry.name, q, k_cache, v_cache, kv_lens=kv_lens, scale=scale,
+                                       num_splits=num_splits, score_mod=score_mod, mask_mod=mask_mod,
+                                       return_lse=bool(return_lse), interpret=interpret, context_axis=context_axis)
     if not traced_lens:
         return result
     # Traced kv_lens cannot be checked here: a batch element whose length lies outside [Lq, Lmax] gets NaN

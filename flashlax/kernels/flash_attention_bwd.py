@@ -43,8 +43,8 @@ from flashlax import masks as masks_lib
 from flashlax.kernels import _tiles
 from flashlax.kernels._tiles import LOG2E, dot_nn, dot_nt, dot_precision, dot_tn, exp2_fma, fma, leading_run, pow2
 from flashlax.kernels.configs import SMEM_LIMITS, device_family
-from flashlax.parallel.vma import out_struct
 from flashlax.masks import BlockMask
+from flashlax.parallel.vma import out_struct
 
 
 @dataclasses.dataclass(frozen=True)

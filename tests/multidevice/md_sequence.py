@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import flashlax
-from flashlax import masks, score_mods
+from flashlax import score_mods
 from _helpers import assert_close, put, specs
 
 MESH = jax.make_mesh((2, 4), ("b", "sp"))
