@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import flashlax
-from flashlax import score_mods
+from flashlax import masks, score_mods
 from _helpers import assert_close, put, specs
 
 MESH = jax.make_mesh((2, 4), ("b", "sp"))
@@ -92,3 +92,23 @@ def test_gated_delta_rule_length_not_divisible():
     mesh = jax.make_mesh((8,), ("sp",))
     with jax.set_mesh(mesh), pytest.raises(ValueError, match="must split evenly"):
         flashlax.gated_delta_rule(q, k, v, log_alpha, beta, context_axis="sp")
+
+
+def test_x64():
+    """jax_enable_x64: int64 lengths, float64 positions never appear (indices stay int32), float32 inputs
+    give the one-device values on every context-parallel path."""
+    q, k, v = _normal(0, (B, HQ, LQ, D)), _normal(1, (B, HKV, LMAX, D)), _normal(2, (B, HKV, LMAX, D))
+    qf = _normal(3, (B, HQ, LMAX, D))
+    gdr = _gdr_inputs()
+    with jax.enable_x64():
+        lens = jnp.asarray([40, 17], jnp.int64)
+        dec = lambda ctx: jax.jit(lambda q, k, v, lens: flashlax.decode_attention(
+            q, k, v, kv_lens=lens, mask_mod=MASK, context_axis=ctx))(q, k, v, lens)
+        ring = lambda ctx, *a: jax.jit(lambda *a: flashlax.flex_attention(*a, mask_mod=masks.causal,
+                                                                          context_axis=ctx))(*a)
+        lin = lambda ctx, *a: jax.jit(lambda *a: flashlax.gated_delta_rule(*a, chunk_size=16, context_axis=ctx))(*a)
+        want = (dec(None), ring(None, qf, k, v), lin(None, *gdr[:5]))
+        with jax.set_mesh(MESH):
+            got = (dec("sp"), ring("sp", *put(MESH, SEQ, qf, k, v)), lin("sp", *put(MESH, SEQ, *gdr[:3]),
+                                                                         *put(MESH, P("b", None, "sp"), *gdr[3:5])))
+    assert_close(got, want)
