@@ -12,8 +12,10 @@ Mods see global indices: ``b`` and ``h`` are shifted by the shard's first batch 
 as it would on one device.
 
 Inside a user's ``jax.shard_map`` the op sees the local shards and runs as it does on one device (``b``,
-``h`` are local there, as for any function in shard_map); on Auto meshes XLA's SPMD partitioner splits
-the XLA paths along batch and heads on its own (the types say nothing about Auto axes).
+``h`` are local there, as for any function in shard_map). On Auto meshes the types say nothing about the
+shardings: XLA's SPMD partitioner splits the XLA paths along batch and heads on its own, and the Pallas
+kernels (custom calls it cannot split) go through ``custom_partitioning`` (:mod:`flashlax.parallel.auto`,
+with ``jax.set_mesh``).
 """
 
 from __future__ import annotations
