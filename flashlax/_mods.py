@@ -11,7 +11,9 @@ cannot simply be called on broadcast index arrays. This module
   ``jax.vmap`` over the axes each argument varies on, so point-wise mods compile to the same broadcast
   ops as before and the rest (gathers of rows, reductions) are batched correctly;
 - says which of ``b`` / ``h`` a mod reads (:func:`reads_batch_head`), from its jaxpr;
-- decides whether two mods are the same (:func:`same_mod`), for block masks passed with a mod.
+- decides whether two mods are the same (:func:`same_mod`), for block masks passed with a mod;
+- substitutes the arrays a mod captures (:func:`captured_arrays`, :func:`with_captured`), so they can be
+  explicit arguments of a custom_vjp (gradients to a captured bias table).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax._src.interpreters import partial_eval as pe
+from jax.extend.core import Literal
 
 _ARG_NAMES = {"score": ("score", "b", "h", "q_idx", "kv_idx"), "mask": ("b", "h", "q_idx", "kv_idx")}
 
@@ -117,3 +120,63 @@ def same_mod(a: Callable, b: Callable, kind: str = "mask") -> bool:
     if str(ja.jaxpr) != str(jb.jaxpr) or len(ja.consts) != len(jb.consts):
         return False
     return all(_same_const(x, y) for x, y in zip(ja.consts, jb.consts))
+
+
+def captured_arrays(fn: Callable, *example_args) -> tuple:
+    """The arrays (constants or tracers) ``fn`` closes over, from a trace at ``example_args``."""
+    return tuple(jax.make_jaxpr(fn)(*example_args).consts)
+
+
+def with_captured(fn: Callable, captured: tuple, values) -> Callable:
+    """``fn`` with the captured arrays ``captured`` (from :func:`captured_arrays`) replaced by ``values``.
+
+    ``fn`` is traced again at each call's arguments and that trace evaluated with the substitutes. Inside
+    ``jax.shard_map`` a substitute may vary over more mesh axes than the array it replaces (a copy made
+    varying outside a loop, so that differentiating it inside the loop needs no collective there); the
+    trace is then evaluated by :func:`_eval_retyped`."""
+    swap = {id(c): v for c, v in zip(captured, values)}
+
+    def call(*args):
+        closed = jax.make_jaxpr(fn)(*args)
+        consts = [swap.get(id(c), c) for c in closed.consts]
+        if all(_varying(a) == _varying(b) for a, b in zip(consts, closed.consts)):
+            return jax.core.eval_jaxpr(closed.jaxpr, consts, *args)[0]
+        return _eval_retyped(closed.jaxpr, consts, args)[0]
+
+    return call
+
+
+_CALLS = ("pjit", "jit", "closed_call", "core_call", "remat", "checkpoint", "custom_jvp_call", "custom_vjp_call")
+
+
+def _varying(x) -> frozenset:
+    from flashlax.parallel.vma import varying_axes
+    return varying_axes(x)
+
+
+def _eval_retyped(jaxpr, consts, args):
+    """Evaluates ``jaxpr`` where inputs may vary over more mesh axes than it was traced with: each
+    primitive's operands are cast to vary alike (as jnp does when tracing), call primitives are inlined
+    (a custom_jvp / custom_vjp inside a mod is then differentiated as written, not by its rule)."""
+    from flashlax.parallel.vma import match_vma
+    env: dict = {}
+    read = lambda v: v.val if isinstance(v, Literal) else env[v]
+    env.update(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+    for eqn in jaxpr.eqns:
+        vals = [read(v) for v in eqn.invars]
+        name = eqn.primitive.name
+        if name in _CALLS:
+            inner = next(eqn.params[key] for key in ("jaxpr", "call_jaxpr", "fun_jaxpr") if key in eqn.params)
+            inner_consts = list(getattr(inner, "consts", ()))
+            inner = getattr(inner, "jaxpr", inner)
+            outs = _eval_retyped(inner, inner_consts, vals[len(vals) - len(inner.invars):])
+        elif name == "pvary":         # the trace's own cast: the operand may already vary over those axes
+            missing = tuple(a for a in eqn.params["axes"] if a not in _varying(vals[0]))
+            outs = [jax.lax.pcast(vals[0], missing, to="varying") if missing else vals[0]]
+        else:
+            vals = match_vma(vals, *[x for x in vals if hasattr(x, "dtype")])
+            outs = eqn.primitive.bind(*vals, **eqn.params)
+            outs = outs if eqn.primitive.multiple_results else [outs]
+        env.update(zip(eqn.outvars, outs))
+    return [read(v) for v in jaxpr.outvars]

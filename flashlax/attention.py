@@ -20,6 +20,7 @@ from jax import lax
 from flashlax import _mods, dispatch, paged
 from flashlax import masks as masks_lib
 from flashlax.masks import BlockMask
+from flashlax.parallel import shard as parallel
 
 
 def _shape_error(name: str, what: str, **shapes) -> ValueError:
@@ -150,7 +151,8 @@ def flex_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, score_mod: Calla
                    mask_mod: Callable | None = None, block_mask: BlockMask | None = None,
                    scale: float | None = None, return_lse: bool = False, return_aux: AuxRequest | None = None,
                    kernel_options: dict | None = None, block_table: jax.Array | None = None,
-                   kv_lens: jax.Array | None = None, impl: str | None = None, interpret: bool = False):
+                   kv_lens: jax.Array | None = None, impl: str | None = None, interpret: bool = False,
+                   context_axis: str | None = None):
     """Softmax attention with FlexAttention-style score and mask mods (GQA native).
 
     Args:
@@ -181,10 +183,17 @@ def flex_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, score_mod: Calla
         the filled part of a paged cache. Values in [0, Lkv]; changing them never recompiles.
       impl: None (the backend's default), "xla", "repeat" or "pallas" (GPU kernel).
       interpret: run the Pallas kernel in the Pallas interpreter (CPU testing).
+      context_axis: a mesh axis name: context parallelism. The sequence (Lq and Lkv) is split over that
+        axis, contiguously in axis order, and the op runs ring attention (K/V blocks passed around the
+        axis with ``jax.lax.ppermute`` while each device computes, forward and backward). Masked calls
+        run on a load-balanced zigzag order internally. Mods get global positions. Needs a mesh
+        (``jax.set_mesh``, Explicit shardings of the inputs, or a ``shard_map`` over that axis); impl
+        "xla" or "pallas". See docs/API.md, "Sharding and context parallelism".
 
     Returns:
       out [B, Hq, Lq, Dv] in q's dtype, or (out, lse), or (out, AuxOutput) with ``return_aux``. Fully
-      masked rows give out 0 and lse (and max_scores) -inf.
+      masked rows give out 0 and lse (and max_scores) -inf. Sharded inputs (batch, heads) give outputs
+      sharded like them.
 
     Raises:
       ValueError: bad shapes/dtypes, a mod with the wrong arguments or result type, a block mask that does
@@ -217,7 +226,8 @@ def flex_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, score_mod: Calla
         block_table = paged.check_block_table(op, block_table, k, v, q.shape[0], kv_lens)
     check_mods(op, score_mod, mask_mod)
     if block_mask is not None:
-        _check_block_mask(op, block_mask, mask_mod, q, k_view)
+        # Inside the caller's shard_map over context_axis, q and k are shards of the masked sequence.
+        _check_block_mask(op, block_mask, mask_mod, *parallel.global_shapes(q, k_view, context_axis=context_axis))
     if return_aux is not None and not isinstance(return_aux, AuxRequest):
         raise ValueError(f"{op}: return_aux must be an AuxRequest or None, got {type(return_aux).__name__}")
     if return_aux is not None and return_lse:
@@ -251,8 +261,9 @@ def flex_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, score_mod: Calla
             k, v = (paged.gather_pages(x, block_table) for x in (k, v))
         if kv_lens is not None:
             k, v = (paged.zero_past(jnp.broadcast_to(x, (q.shape[0],) + x.shape[1:]), kv_lens) for x in (k, v))
-    result = fn(q, k, v, score_mod=score_mod, mask_mod=effective_mask, block_mask=block_mask, scale=scale,
-                return_lse=want_lse, interpret=interpret, **({"return_max": True} if want_max else {}), **extra)
+    result = parallel.flex_attention(fn, entry.name, q, k, v, score_mod=score_mod, mask_mod=effective_mask,
+                                     block_mask=block_mask, scale=scale, return_lse=want_lse, interpret=interpret,
+                                     context_axis=context_axis, return_max=want_max, extra=extra)
     if return_aux is None:
         return result
     out, lse = result[:2] if isinstance(result, tuple) else (result, None)
@@ -341,8 +352,11 @@ def _dot_product_attention(query, key, value, bias, mask, dynamic_scale, query_s
     if mask_mod is not None:
         # jax masks with a large finite negative logit, so a row with every key masked averages all values.
         groups = heads // kv_heads
-        mean_v = jnp.repeat(value.astype(jnp.float32).mean(axis=1), groups, axis=1)  # [B, N, H]
-        out = jnp.where(fully_masked[..., None], mean_v[:, None].astype(out.dtype), out)
+        # Per KV group ([B, T, K, G, H] views: a split of the head axis, which keeps a head sharding).
+        mean_v = value.astype(jnp.float32).mean(axis=1)[:, None, :, None, :].astype(out.dtype)  # [B, 1, K, 1, H]
+        grouped = (batch, q_len, kv_heads, groups)
+        out = jnp.where(fully_masked.reshape(grouped)[..., None], mean_v, out.reshape(grouped + (-1,)))
+        out = out.reshape(batch, q_len, heads, -1)
     if query_seq_lengths is not None:
         rows = jnp.arange(q_len)[None, :, None, None] < query_seq_lengths[:, None, None, None]
         out = out * rows.astype(out.dtype)

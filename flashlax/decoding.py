@@ -10,6 +10,7 @@ import numpy as np
 
 from flashlax import dispatch, paged
 from flashlax.attention import check_mods, resolve_scale
+from flashlax.parallel import shard as parallel
 
 MAX_NEW_TOKENS = 16
 
@@ -31,7 +32,7 @@ def _not_differentiable_jvp(primals, tangents):
 def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, *, kv_lens: jax.Array | None = None,
                      block_table: jax.Array | None = None, scale: float | None = None, num_splits: int | None = None,
                      score_mod: Callable | None = None, mask_mod: Callable | None = None, return_lse: bool = False,
-                     impl: str | None = None, interpret: bool = False):
+                     impl: str | None = None, interpret: bool = False, context_axis: str | None = None):
     """Attention of 1..16 new tokens against a KV cache (split-KV flash decoding).
 
     Args:
@@ -53,6 +54,10 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, *, kv
       return_lse: also return lse [B, Hq, Lq] float32.
       impl: None (the backend's default: "pallas" on GPU, "xla" on CPU), "xla" or "pallas".
       interpret: run the Pallas kernel in the Pallas interpreter (CPU testing).
+      context_axis: a mesh axis name splitting the caches' sequence axis (Lmax, contiguously in axis
+        order): each device attends its part of the cache and one log-sum-exp merge across the axis (pmax,
+        psum) gives the result (the long-context serving case); q and kv_lens are global. Sharded inputs
+        (batch, heads) give outputs sharded like them. See docs/API.md, "Sharding and context parallelism".
 
     Returns:
       out [B, Hq, Lq, Dv] in q's dtype, or (out, lse).
@@ -132,13 +137,15 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, *, kv
     scale, score_mod = resolve_scale(op, scale, head_dim, score_mod)
     entry, fn = dispatch.resolve(op, impl, interpret=interpret)
     q, k_cache, v_cache = _not_differentiable(q, k_cache, v_cache)
-    paging = {}
+    extra = {}
     if block_table is not None and entry.kind == "pallas":
-        paging = dict(block_table=block_table)      # the kernel reads the pages in place
+        extra = dict(block_table=block_table)      # the kernel reads the pages in place
     elif block_table is not None:
         k_cache, v_cache = (paged.gather_pages(c, block_table) for c in (k_cache, v_cache))
-    result = fn(q, k_cache, v_cache, kv_lens=kv_lens, scale=scale, num_splits=num_splits, score_mod=score_mod,
-                mask_mod=mask_mod, return_lse=bool(return_lse), interpret=interpret, **paging)
+    result = parallel.decode_attention(fn, entry.name, q, k_cache, v_cache, kv_lens=kv_lens, scale=scale,
+                                       num_splits=num_splits, score_mod=score_mod, mask_mod=mask_mod,
+                                       return_lse=bool(return_lse), interpret=interpret, context_axis=context_axis,
+                                       extra=extra)
     if not traced_lens:
         return result
     # Traced kv_lens cannot be checked here: a batch element whose length lies outside [Lq, Lmax] gets NaN

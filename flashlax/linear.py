@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flashlax import dispatch
+from flashlax.parallel import shard as parallel
 
 _CHUNK_SIZES = (16, 32, 64, 128)
 
@@ -70,7 +71,7 @@ def _validate(q, k, v, log_alpha, beta, scale, initial_state, chunk_size) -> flo
 
 def gated_delta_rule(q, k, v, log_alpha, beta=None, *, scale: float | None = None, initial_state=None,
                      return_final_state: bool = False, chunk_size: int = 64, impl: str | None = None,
-                     interpret: bool = False):
+                     interpret: bool = False, context_axis: str | None = None):
     """Gated delta rule (with ``beta``) or gated linear attention / Mamba-2 SSD (``beta=None``).
 
     With beta:    ``S_t = exp(log_alpha_t) (S_{t-1} - beta_t k_t (k_t^T S_{t-1})) + beta_t k_t v_t^T``
@@ -83,8 +84,13 @@ def gated_delta_rule(q, k, v, log_alpha, beta=None, *, scale: float | None = Non
       return_final_state: also return the final state [B, H, dk, dv] float32.
       chunk_size: 16, 32, 64 or 128 (chunked paths). impl: "recurrent", "chunked", "chunked_fat",
       "ssd" or None (the backend's default). interpret: run a Pallas kernel in the interpreter.
+      context_axis: a mesh axis name splitting T (contiguously in axis order): sequence parallelism. Each
+        device runs its part of the sequence; the affine state maps of the parts are combined across
+        the axis (an all-gather of [dk, dk + dv] maps per batch and head), forward and backward.
+        See docs/API.md, "Sharding and context parallelism".
     Returns:
-      o [B, H, T, dv] in v's dtype, or (o, final_state).
+      o [B, H, T, dv] in v's dtype, or (o, final_state). Sharded inputs (batch, heads, with
+      ``context_axis`` the sequence) give outputs sharded like them.
     Raises:
       ValueError: bad shapes or dtypes, a chunk_size outside 16/32/64/128, a non-numeric scale.
       RuntimeError: impl="ssd" on CPU without interpret=True.
@@ -99,8 +105,9 @@ def gated_delta_rule(q, k, v, log_alpha, beta=None, *, scale: float | None = Non
     q, k, v, log_alpha = (jnp.asarray(x) for x in (q, k, v, log_alpha))
     beta = None if beta is None else jnp.asarray(beta)
     initial_state = None if initial_state is None else jnp.asarray(initial_state)
-    kwargs = dict(scale=scale, initial_state=initial_state, return_final_state=bool(return_final_state),
-                  chunk_size=int(chunk_size))
+    options = dict(scale=scale, chunk_size=int(chunk_size))
     if entry.kind == "pallas":
-        kwargs["interpret"] = interpret
-    return fn(q, k, v, log_alpha, beta, **kwargs)
+        options["interpret"] = interpret
+    return parallel.gated_delta_rule(fn, q, k, v, log_alpha, beta, initial_state=initial_state,
+                                     return_final_state=bool(return_final_state), context_axis=context_axis,
+                                     **options)

@@ -14,7 +14,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
 
-SUITE_CHOICES = ("linear", "gqa", "decode", "prefill", "all")
+SUITE_CHOICES = ("linear", "gqa", "decode", "prefill", "all", "sharding")
 
 
 def _list(kind):
@@ -210,6 +210,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return quick.main(args)
     if args.suite is None:
         build_parser().error("give --suite (or --quick, --report, --compare)")
+    if args.suite == "sharding":    # its own rows and device setup (flashlax/bench/sharding.py)
+        from flashlax.bench import sharding  # noqa: PLC0415
+
+        lengths = _flatten(args.lengths)
+        return sharding.main((["--length", str(lengths[0])] if lengths else []) + ["--repeats", str(args.repeats)]
+                             + (["--output", args.output] if args.output else []))
     failed = failed_rows(run(args)["results"])
     if failed:
         names = ", ".join(sorted({f"{r['impl']} ({r['error'].split(':')[0]})" for r in failed}))

@@ -28,6 +28,7 @@ from jax import lax
 
 from flashlax import _mods
 from flashlax import masks as masks_lib
+from flashlax.parallel.vma import cotangent_like, match_vma
 
 F32 = jnp.float32
 NEG_INF = -jnp.inf
@@ -75,18 +76,18 @@ def acc_dtype(dtype):
 # ----------------------------------------------------------------------------------------------------
 
 def convert_mod(mod: Callable | None, *example_args) -> tuple[Callable | None, tuple]:
-    """Traces ``mod`` (scalar semantics, :func:`flashlax._mods.apply_mod`) at the example shapes; returns
-    ``(fn(consts, *args), consts)`` where ``consts`` are every array the mod captured (concrete or
-    traced). Call ``fn`` only with the example shapes."""
+    """``(fn(consts, *args), consts)``: ``mod`` applied with scalar semantics
+    (:func:`flashlax._mods.apply_mod`) reading ``consts`` in place of every array it captured (concrete
+    or traced), found by a trace at the example shapes; ``fn`` takes arguments of those shapes."""
     if mod is None:
         return None, ()
-    closed = jax.make_jaxpr(lambda *args: _mods.apply_mod(mod, *args))(*example_args)
-    jaxpr = closed.jaxpr
+    apply = lambda *args: _mods.apply_mod(mod, *args)
+    captured = _mods.captured_arrays(apply, *example_args)
 
     def converted(consts, *args):
-        return jax.core.eval_jaxpr(jaxpr, list(consts), *args)[0]
+        return _mods.with_captured(apply, captured, consts)(*args)
 
-    return converted, tuple(closed.consts)
+    return converted, captured
 
 
 def finite_lse(lse):
@@ -298,6 +299,7 @@ def _forward(spec: _Spec, q, k, v, score_consts, mask_consts, sched: Schedule):
 
         init = (jnp.full((bsz, hkv, m_rows), NEG_INF, spec.acc), jnp.zeros((bsz, hkv, m_rows), spec.acc),
                 jnp.zeros((bsz, hkv, m_rows, dv), spec.acc))
+        init = match_vma(init, q, k, v, score_consts, mask_consts, sched)
         m, l, acc = lax.fori_loop(0, sched.count[i], kv_step, init)
         has_any = l > 0
         out = acc / jnp.where(has_any, l, 1.0)[..., None]  # fully masked rows: 0
@@ -319,6 +321,13 @@ def _backward(spec: _Spec, q, k, v, out, lse, dout, dlse, score_consts, mask_con
     delta = jnp.sum(dout.astype(spec.acc) * out.astype(spec.acc), -1) - dlse
     lse_safe = finite_lse(lse)
     float_pos = [n for n, c in enumerate(score_consts) if is_float(c)]
+    operands = (q, k, v, out, lse, dout, dlse, score_consts, mask_consts, sched)
+    # Inside shard_map the captured float arrays enter the tile loops varying like the operands: their
+    # cotangents accumulate per device and are summed over the devices once, after the loops (the
+    # invariant arrays themselves would be summed by autodiff at every tile, inside loops whose trip
+    # counts differ between devices).
+    primal_consts = score_consts
+    score_consts = tuple(match_vma(c, *operands) if is_float(c) else c for c in score_consts)
 
     def with_float(fconsts):
         merged = list(score_consts)
@@ -386,18 +395,18 @@ def _backward(spec: _Spec, q, k, v, out, lse, dout, dlse, score_consts, mask_con
             return (dq_t + dq_c, add_at(dk_acc, dk_c), add_at(dv_acc, dv_c),
                     tuple(a + g for a, g in zip(dc, dfc)))
 
-        init = (jnp.zeros((bsz, hkv, m_rows, d), spec.acc), dk_acc, dv_acc, dc_acc)
+        init = (match_vma(jnp.zeros((bsz, hkv, m_rows, d), spec.acc), *operands), dk_acc, dv_acc, dc_acc)
         dq_t, dk_acc, dv_acc, dc_acc = lax.fori_loop(0, sched.count[i], kv_step, init)
         return (dk_acc, dv_acc, dc_acc), dq_t.reshape(bsz, hkv, spec.groups, spec.block_q, d)
 
     dc0 = tuple(jnp.zeros(score_consts[n].shape, spec.acc) for n in float_pos)
-    init = (jnp.zeros(k.shape, spec.acc), jnp.zeros(v.shape, spec.acc), dc0)
+    init = match_vma((jnp.zeros(k.shape, spec.acc), jnp.zeros(v.shape, spec.acc), dc0), *operands)
     (dk, dv_, dc), dq_tiles = lax.scan(q_tile, init, jnp.arange(len(q_starts), dtype=jnp.int32))
     dq = _assemble(dq_tiles, spec.q_len, spec.block_q)
-    d_score = [zero_cotangent(c) for c in score_consts]
+    d_score = [zero_cotangent(c) for c in primal_consts]
     for n, g in zip(float_pos, dc):
-        d_score[n] = g.astype(score_consts[n].dtype)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv_.astype(v.dtype), tuple(d_score)
+        d_score[n] = cotangent_like(g, primal_consts[n])
+    return cotangent_like(dq, q), cotangent_like(dk, k), cotangent_like(dv_, v), tuple(d_score)
 
 
 def _blockwise_attention(spec: _Spec, q, k, v, score_consts, mask_consts, sched: Schedule):
@@ -422,20 +431,12 @@ def _blockwise_attention(spec: _Spec, q, k, v, score_consts, mask_consts, sched:
                   (sched.count, sched.kv_tiles, sched.masked))
 
 
-def flex_attention_xla(q, k, v, *, score_mod=None, mask_mod=None, block_mask=None, scale, return_lse=False,
-                       return_max=False, interpret=False, block_q: int | None = None, block_kv: int | None = None):
-    """Blockwise online-softmax attention in XLA (GQA native, memory linear in sequence length).
-
-    q: [B, Hq, Lq, D], k: [B or 1, Hkv, Lkv, D], v: [B or 1, Hkv, Lkv, Dv] -> out [B, Hq, Lq, Dv]
-    (and lse [B, Hq, Lq] float32, float64 for float64 inputs, when ``return_lse``; ``return_max``:
-    (out, lse, max) with the row maximum of the modded, masked scores, -inf for fully masked rows, no
-    gradient). ``interpret`` is ignored. ``block_q`` is the number of rows per query head in a tile
-    (G * block_q rows are processed together).
-    """
-    del interpret
+def _setup(q, k, v, score_mod, mask_mod, block_mask, scale, block_q, block_kv):
+    """Tiles, schedule and converted mods of one call: (spec, q5 [B, Hkv, G, Lq, D], k, v (batch
+    broadcast), score_consts, mask_consts, schedule)."""
     k, v = broadcast_kv_batch(q, k, v)
     bsz, hq, lq, d = q.shape
-    hkv, lkv, dv = k.shape[1], k.shape[2], v.shape[-1]
+    hkv, lkv = k.shape[1], k.shape[2]
     groups = hq // hkv
     masked = mask_mod is not None or block_mask is not None
     block_q = tile_size(lq, block_q or max(16, DEFAULT_ROWS // groups))
@@ -457,11 +458,54 @@ def flex_attention_xla(q, k, v, *, score_mod=None, mask_mod=None, block_mask=Non
     spec = _Spec(bsz, hkv, groups, lq, lkv, block_q, block_kv, float(scale), precision_for(q.dtype), acc,
                  score_fn, mask_fn, may_mask=mask_fn is not None or lkv % block_kv != 0)
     q5 = q.reshape(bsz, hkv, groups, lq, d)
+    return spec, q5, k, v, score_consts, mask_consts, sched
+
+
+def flex_attention_xla(q, k, v, *, score_mod=None, mask_mod=None, block_mask=None, scale, return_lse=False,
+                       return_max=False, interpret=False, block_q: int | None = None, block_kv: int | None = None):
+    """Blockwise online-softmax attention in XLA (GQA native, memory linear in sequence length).
+
+    q: [B, Hq, Lq, D], k: [B or 1, Hkv, Lkv, D], v: [B or 1, Hkv, Lkv, Dv] -> out [B, Hq, Lq, Dv]
+    (and lse [B, Hq, Lq] float32, float64 for float64 inputs, when ``return_lse``; ``return_max``:
+    (out, lse, max) with the row maximum of the modded, masked scores, -inf for fully masked rows, no
+    gradient). ``interpret`` is ignored. ``block_q`` is the number of rows per query head in a tile
+    (G * block_q rows are processed together).
+    """
+    del interpret
+    spec, q5, k, v, score_consts, mask_consts, sched = _setup(q, k, v, score_mod, mask_mod, block_mask, scale,
+                                                              block_q, block_kv)
     out, lse, row_max = _blockwise_attention(spec, q5, k, v, score_consts, mask_consts, sched)
-    out = out.reshape(bsz, hq, lq, dv)
+    bsz, hq, lq, _ = q.shape
+    out = out.reshape(bsz, hq, lq, v.shape[-1])
     if return_max:
         return out, lse.reshape(bsz, hq, lq), lax.stop_gradient(row_max.reshape(bsz, hq, lq))
     return (out, lse.reshape(bsz, hq, lq)) if return_lse else out
+
+
+def blockwise_passes(q, k, v, *, score_mod=None, mask_mod=None, block_mask=None, scale):
+    """The blockwise path of one call as two passes, without its custom_vjp: ``(forward, backward,
+    score_consts)``. ``forward() -> (out [B, Hq, Lq, Dv], lse [B, Hq, Lq])``; ``backward(out, lse, dout, dlse)
+    -> (dq, dk, dv, d_score_consts)`` with ``out`` / ``lse`` any normalisation of the scores (ring attention,
+    :mod:`flashlax.parallel.ring`, passes the ones merged over all K/V blocks, so each block's backward
+    gives its exact share of the gradient); ``d_score_consts`` matches ``score_consts``, the arrays the
+    score_mod captured."""
+    spec, q5, kb, vb, score_consts, mask_consts, sched = _setup(q, k, v, score_mod, mask_mod, block_mask, scale,
+                                                                None, None)
+    shape5 = q5.shape[:4]
+
+    def forward():
+        out, lse, _ = _forward(spec, q5, kb, vb, score_consts, mask_consts, sched)
+        return out.reshape(q.shape[:3] + (v.shape[-1],)), lse.reshape(q.shape[:3])
+
+    def backward(out, lse, dout, dlse):
+        dq, dk, dv, d_score = _backward(spec, q5, kb, vb, out.reshape(shape5 + (-1,)), lse.reshape(shape5),
+                                        dout.reshape(shape5 + (-1,)), dlse.reshape(shape5).astype(spec.acc),
+                                        score_consts, mask_consts, sched)
+        if k.shape[0] != kb.shape[0]:    # K/V of batch 1 broadcast over the batch
+            dk, dv = dk.sum(0, keepdims=True), dv.sum(0, keepdims=True)
+        return dq.reshape(q.shape), dk, dv, d_score
+
+    return forward, backward, score_consts
 
 
 def broadcast_kv_batch(q, k, v):

@@ -21,6 +21,7 @@ from jax import lax
 from flashlax import dispatch
 from flashlax import _mods
 from flashlax.fallbacks.attention import NEG_INF, acc_dtype, masked_score_mod, precision_for
+from flashlax.parallel.vma import match_vma
 
 DEFAULT_BLOCK_KV = 1024  # cache rows per step and split (fastest of 512-16384 on the 2-core CPU, PERF_NOTES)
 
@@ -104,6 +105,7 @@ def decode_attention_xla(q, k_cache, v_cache, *, kv_lens, scale, num_splits=None
 
     state = (batch, kv_heads, splits, rows)
     init = (jnp.full(state, NEG_INF, acc_t), jnp.zeros(state, acc_t), jnp.zeros(state + (dv,), acc_t))
+    init = match_vma(init, q, k_cache, v_cache, kv_lens)
     # Steps needed by the longest sequence (split 0 is the fullest); a traced trip count: no recompiles.
     steps = _cdiv(jnp.minimum(jnp.max(kv_lens), split_len), chunk)
     m, l, acc = lax.fori_loop(0, steps.astype(i32), step, init)

@@ -36,6 +36,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from flashlax.parallel.vma import match_vma
+
 _HI = lax.Precision.HIGHEST
 # Python-level arguments of the impls: compile-time constants of the jitted impls.
 _STATIC = ("scale", "return_final_state", "chunk_size")
@@ -73,6 +75,7 @@ def gated_delta_rule_recurrent(q, k, v, log_alpha, beta=None, *, scale: float, i
         state0 = jnp.zeros((batch, heads, dk, dv), cdt)
     else:
         state0 = initial_state.astype(cdt)
+    state0 = match_vma(state0, q, k, v, log_alpha, beta)   # the scan's carry varies like its inputs
 
     def time_major(x):
         return None if x is None else jnp.moveaxis(x.astype(cdt), 2, 0)
@@ -463,6 +466,7 @@ def _run_chunked(q, k, v, log_alpha, beta, scale, initial_state, return_final_st
                  by_slice=False):
     if initial_state is None:
         initial_state = jnp.zeros(q.shape[:2] + (q.shape[-1], v.shape[-1]), _compute_dtype(q, k, v))
+    initial_state = match_vma(initial_state, q, k, v, log_alpha, beta)   # the scans' carries vary like q
     if by_slice:
         o, final = _chunked_by_slice(q, k, v, log_alpha, beta, initial_state, float(scale), int(chunk_size))
     else:

@@ -42,6 +42,8 @@ from jax.extend.core import Literal
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from flashlax.parallel.vma import match_vma
+
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 
@@ -512,6 +514,7 @@ def _eval_eqn(eqn, vals):
     vals = [jnp.asarray(v) for v in vals]
     shape = jnp.broadcast_shapes(*[v.shape for v in vals]) if vals else ()
     vals = [jnp.broadcast_to(v, shape) if v.shape != shape else v for v in vals]
+    vals = match_vma(vals, *vals)   # XLA side inside shard_map: literals vary like the other operands
     out = prim.bind(*vals, **params)
     return list(out) if prim.multiple_results else [out]
 

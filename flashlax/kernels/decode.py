@@ -11,7 +11,8 @@ neighbouring programs, so the second read of a K/V tile comes from L2.
 splits past its end do no loads, and changing the values never recompiles. A split visits first the tiles
 every new token sees whole (plain loads, no mask), then the last one or two tiles (loads masked by
 kv_lens, so rows past it are never read and NaN there cannot leak; new token i sees positions
-<= kv_lens - Lq + i). kv_lens is clamped into [0, Lmax], so traced out-of-range values stay memory safe.
+<= kv_lens - Lq + i). The rows read are clamped into [0, Lmax), so traced out-of-range values stay memory
+safe (the new tokens' positions use kv_lens as given).
 
 Each split writes a float32 partial output normalised by its own sum, and its log-sum-exp; the splits are
 merged in float32 by one fused XLA step (a split that saw nothing has lse -inf and weight 0). With one
@@ -45,6 +46,7 @@ from flashlax.kernels import _tiles
 from flashlax.kernels._tiles import LOG2E, TileMod, pow2
 from flashlax.kernels.configs import (DecodeConfig, check_decode_config, decode_config, decode_shrink_to_fit,
                                       num_sms)
+from flashlax.parallel.vma import out_struct
 
 MIN_ROWS = 16  # the smallest Triton dot operand
 
@@ -121,12 +123,15 @@ def _decode_kernel(kv_lens_ref, *refs, st: _Static, n_score_cap: int, groups: in
     else:
         kv_head = lax.div(group_pid, i32(st.row_blocks))
         row0 = pl.multiple_of(lax.rem(group_pid, i32(st.row_blocks)) * br, br)
-    kv_len = jnp.clip(kv_lens_ref[0], 0, max_len)        # traced out-of-range values: stay in bounds
+    # Rows read stay in [0, Lmax) (traced out-of-range values stay memory safe); the new tokens' positions
+    # come from the length as given: a shard of a sequence-split cache (flashlax.parallel.sequence) gets
+    # lengths past its Lmax (every row visible) or below Lq (the tokens lie beyond its rows).
+    kv_len = jnp.clip(kv_lens_ref[0], 0, max_len)
 
     # Row r of the group is new token r % Lq of query head hkv * G + r // Lq (padding rows: clamped head).
     row = row0 + lax.broadcasted_iota(jnp.int32, (br, 1), 0)
     h = jnp.minimum(kv_head * groups + lax.div(row, i32(q_len)), q_heads - 1)
-    q_idx = kv_len - q_len + lax.rem(row, i32(q_len))         # absolute position of the new token
+    q_idx = kv_lens_ref[0] - q_len + lax.rem(row, i32(q_len))  # absolute position of the new token
     q = _tiles.load_tile(q_ref, row0, br, rows, dp, d)
     precision = _tiles.dot_precision(q.dtype)
     # Scores stay raw q.k (scale > 0, no score_mod) and `mult` turns them into base-2 exponents inside the
@@ -201,16 +206,17 @@ def _decode_call(st: _Static, q, k_cache, v_cache, kv_lens, captured, n_score_ca
                                                lambda s, g, b: (0, kv_head(g), 0, 0))
     in_specs += [pl.BlockSpec((None, None, rows, dp), lambda s, g, b: (b, kv_head(g), 0, 0)),
                  cache_spec(dp), cache_spec(dvp)] + _tiles.captured_specs(captured)
+    operands = (kv_lens, *paging, q_rows, k_cache, v_cache, *captured)
     if final:
         out_specs = [pl.BlockSpec((None, None, rows, dvp), lambda s, g, b: (b, kv_head(g), 0, 0)),
                      pl.BlockSpec((None, None, rows), lambda s, g, b: (b, kv_head(g), 0))]
-        out_shape = [jax.ShapeDtypeStruct((batch, kv_heads, rows, dv), q.dtype),
-                     jax.ShapeDtypeStruct((batch, kv_heads, rows), jnp.float32)]
+        out_shape = [out_struct((batch, kv_heads, rows, dv), q.dtype, *operands),
+                     out_struct((batch, kv_heads, rows), jnp.float32, *operands)]
     else:
         out_specs = [pl.BlockSpec((None, None, None, rows, dvp), lambda s, g, b: (b, kv_head(g), s, 0, 0)),
                      pl.BlockSpec((None, None, None, rows), lambda s, g, b: (b, kv_head(g), s, 0))]
-        out_shape = [jax.ShapeDtypeStruct((batch, kv_heads, splits, rows, dv), jnp.float32),
-                     jax.ShapeDtypeStruct((batch, kv_heads, splits, rows), jnp.float32)]
+        out_shape = [out_struct((batch, kv_heads, splits, rows, dv), jnp.float32, *operands),
+                     out_struct((batch, kv_heads, splits, rows), jnp.float32, *operands)]
     kernel = functools.partial(_decode_kernel, st=st, n_score_cap=n_score_cap, groups=groups, q_len=q_len,
                                q_heads=q_heads, max_len=max_len, d=d, dv=dv)
     return pl.pallas_call(
@@ -222,7 +228,7 @@ def _decode_call(st: _Static, q, k_cache, v_cache, kv_lens, captured, n_score_ca
         compiler_params=plgpu.CompilerParams(num_warps=st.config.num_warps, num_stages=st.config.num_stages),
         interpret=st.interpret,
         name="decode_attention",
-    )(kv_lens, *paging, q_rows, k_cache, v_cache, *captured)
+    )(*operands)
 
 
 def merge_splits(out_parts, lse_parts):

@@ -48,6 +48,7 @@ from flashlax.kernels import _tiles
 from flashlax.kernels._tiles import LOG2E, TileMod, pow2
 from flashlax.kernels.configs import (FlashConfig, check_config, flash_config, parse_kernel_options,
                                      shrink_to_fit, smem_limit)
+from flashlax.parallel.vma import cotangent_like, out_struct
 
 _SUPPORTED_TILES = (16, 32, 64, 128, 256)
 
@@ -254,8 +255,8 @@ def _forward_call(st: _Static, q, k, v, bm: masks_lib.BlockMask | None, captured
         in_specs=in_specs,
         out_specs=[_spec((None, qh, lq, dvp), lambda h, i, b: (b, h, 0, 0))]
         + [_spec((None, qh, lq), lambda h, i, b: (b, h, 0))] * n_rows_out,
-        out_shape=[jax.ShapeDtypeStruct((bsz, hq, lq, dv), q.dtype)]
-        + [jax.ShapeDtypeStruct((bsz, hq, lq), jnp.float32)] * n_rows_out,
+        out_shape=[out_struct((bsz, hq, lq, dv), q.dtype, *args)]
+        + [out_struct((bsz, hq, lq), jnp.float32, *args)] * n_rows_out,
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=st.interpret,
         name="flex_attention_fwd",
@@ -299,8 +300,8 @@ def _flash_bwd(st, res, cts):
         dq, dk, dv, dcap = _kernel_vjp(st, q, k, v, bm, captured, out, lse, dout)
     if pages_vjp is not None:
         dk, dv = pages_vjp((dk, dv))
-    dcap = tuple(None if not _is_float(c) else g for c, g in zip(captured, dcap))
-    return dq, dk, dv, None, dcap, (None, None)
+    dcap = tuple(None if not _is_float(c) else cotangent_like(g, c) for c, g in zip(captured, dcap))
+    return cotangent_like(dq, q), cotangent_like(dk, k_in), cotangent_like(dv, v_in), None, dcap, (None, None)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -399,7 +400,6 @@ def _resolve_block_mask(block_mask, mask_mod, cfg: FlashConfig, pack: int, bsz, 
         if mask_mod is None:
             return None, cfg, 1
         return build(*mask_extent(mask_mod, bsz, hq))
-    bm_b, bm_h, bm_q, bm_kv = block_mask.shape
     tiles = (block_mask.block_q, block_mask.block_kv)
     if fixed_tiles:
         if tiles[0] * pack == cfg.block_q and tiles[1] % cfg.block_kv == 0:
@@ -413,7 +413,7 @@ def _resolve_block_mask(block_mask, mask_mod, cfg: FlashConfig, pack: int, bsz, 
         raise ValueError(f"flex_attention_pallas: block_mask tiles {tiles} are not a supported kernel tile "
                          f"(powers of two 16..256 within the shared-memory budget{', or the kernel_options tiles' if fixed_tiles else ''}) "
                          f"and there is no mask_mod to rebuild it with tiles ({cfg.block_q // pack}, {cfg.block_kv})")
-    return build(bsz if bm_b > 1 else None, hq if bm_h > 1 else None)
+    return build(*mask_extent(mask_mod, bsz, hq))
 
 
 def _kernel_config(d, dv, dtype, kind, lkv, lq, groups, dense: bool, tile_reads: int, config, options):
@@ -451,53 +451,35 @@ def _bwd_config(d, dv, dtype, kind, dense: bool, options):
     return bwd
 
 
-def flex_attention_pallas(q, k, v, *, score_mod=None, mask_mod=None, block_mask=None, scale=None,
-                          return_lse=False, return_max=False, block_table=None, kv_lens=None,
-                          interpret=False, kernel_options=None, config: FlashConfig | None = None,
-                          device_kind: str | None = None):
-    """Flash attention with flex mods, Pallas/Triton kernel.
-
-    q: [B, Hq, Lq, D], k: [B, Hkv, Lkv, D], v: [B, Hkv, Lkv, Dv], Hq % Hkv == 0 (query head h reads KV
-    head h // (Hq // Hkv)). score_mod(score, b, h, q_idx, kv_idx), mask_mod(b, h, q_idx, kv_idx);
-    block_mask: a BlockMask (its tiles become the kernel's tiles when supported, else it is rebuilt from
-    the mask_mod) or None. Returns out [B, Hq, Lq, Dv] in q's dtype, or (out, lse [B, Hq, Lq] float32), or
-    with ``return_max`` (out, lse, row max of the scores [B, Hq, Lq] float32, no gradient).
-    block_table: int [B, max_pages] for paged K/V (k, v are then pages [num_pages, Hkv, page_size, D];
-    Lkv = max_pages * page_size; ``flashlax.paged``). kv_lens: int [B] or None; K/V rows at or past
-    kv_lens[b] are never loaded (the mask that hides them is the caller's mask_mod).
-    ``kernel_options``: PyTorch FlexAttention's names for the config (configs.KERNEL_OPTIONS), applied on top
-    of the default config; ``config``: a whole FlashConfig instead (default: :func:`flash_config` for the
-    device kind, head dims and dtype). Differentiable in q, k (or its pages), v and float arrays captured
-    by the mods.
-    """
-    options = parse_kernel_options(kernel_options)
+def _paging(q, k, v, block_table, kv_lens):
+    """(k, v, Lkv, the _Static paging fields, block_table, kv_lens): K/V of batch 1 broadcast, or a paged
+    cache's pages checked against its block table; kv_lens int32 clipped to [0, Lkv]."""
     if block_table is None:
         k, v = broadcast_kv_batch(q, k, v)    # K/V of batch 1 (FlexAttention broadcasts them)
         _check_inputs(q, k, v)
-        lkv = k.shape[2]
-        paging = {}
+        lkv, paging = k.shape[2], {}
     else:
         block_table = paged.check_block_table("flex_attention_pallas", block_table, k, v, q.shape[0], kv_lens)
         lkv = block_table.shape[1] * k.shape[2]
         logical = lambda x: jax.ShapeDtypeStruct((q.shape[0], x.shape[1], lkv, x.shape[3]), x.dtype)  # noqa: E731
         _check_inputs(q, logical(k), logical(v))
         paging = dict(page_size=k.shape[2], num_pages=k.shape[0], max_pages=block_table.shape[1])
-    bsz, hq, lq, d = q.shape
-    dv = v.shape[-1]
     if kv_lens is not None:
         kv_lens = jnp.clip(jnp.asarray(kv_lens), 0, lkv).astype(jnp.int32)
-    scale = float(d ** -0.5 if scale is None else scale)
+    return k, v, lkv, paging, block_table, kv_lens
+
+
+def _setup(q, k, v, lkv, paging, score_mod, mask_mod, block_mask, scale, *, return_lse, return_max, has_kv_lens,
+           interpret, options, config, device_kind):
+    """Config, block mask and traced mods of one call: ``(st, bm, captured)``, or None when a mod needs the
+    XLA path (it reads a captured array other than point-wise)."""
+    bsz, hq, lq, d = q.shape
+    dv = v.shape[-1]
     if mask_mod is None and block_mask is not None:
         mask_mod = block_mask.mask_mod
     tile_mods = _tiles.make_tile_mods(score_mod, mask_mod)    # captured arrays become kernel inputs
-    if tile_mods is None:       # a mod the kernel cannot evaluate on tiles: the blockwise XLA path
-        from flashlax.fallbacks.attention import flex_attention_xla
-        if block_table is not None:
-            k, v = (paged.gather_pages(x, block_table) for x in (k, v))
-        if kv_lens is not None:
-            k, v = (paged.zero_past(x, kv_lens) for x in (k, v))
-        return flex_attention_xla(q, k, v, score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask,
-                                  scale=scale, return_lse=return_lse, return_max=return_max)
+    if tile_mods is None:
+        return None
     score_tm, mask_tm = tile_mods
     tile_reads = sum(tm.tile_reads for tm in (score_tm, mask_tm) if tm is not None)
     kind = device_kind
@@ -537,9 +519,89 @@ def flex_attention_pallas(q, k, v, *, score_mod=None, mask_mod=None, block_mask=
                  n_score_cap=score_tm.num_captured if score_tm else 0, has_block_mask=bm is not None,
                  return_lse=bool(return_lse), interpret=bool(interpret),
                  reverse_q=bm is not None, pack=pack, kv_sub=kv_sub, return_max=bool(return_max),
-                 has_kv_lens=kv_lens is not None, bwd_config=_bwd_config(d, dv, q.dtype, kind, bm is None, options),
+                 has_kv_lens=has_kv_lens, bwd_config=_bwd_config(d, dv, q.dtype, kind, bm is None, options),
                  **paging)
+    return st, bm, captured
+
+
+def flex_attention_pallas(q, k, v, *, score_mod=None, mask_mod=None, block_mask=None, scale=None,
+                          return_lse=False, return_max=False, block_table=None, kv_lens=None,
+                          interpret=False, kernel_options=None, config: FlashConfig | None = None,
+                          device_kind: str | None = None):
+    """Flash attention with flex mods, Pallas/Triton kernel.
+
+    q: [B, Hq, Lq, D], k: [B, Hkv, Lkv, D], v: [B, Hkv, Lkv, Dv], Hq % Hkv == 0 (query head h reads KV
+    head h // (Hq // Hkv)). score_mod(score, b, h, q_idx, kv_idx), mask_mod(b, h, q_idx, kv_idx);
+    block_mask: a BlockMask (its tiles become the kernel's tiles when supported, else it is rebuilt from
+    the mask_mod) or None. Returns out [B, Hq, Lq, Dv] in q's dtype, or (out, lse [B, Hq, Lq] float32), or
+    with ``return_max`` (out, lse, row max of the scores [B, Hq, Lq] float32, no gradient).
+    block_table: int [B, max_pages] for paged K/V (k, v are then pages [num_pages, Hkv, page_size, D];
+    Lkv = max_pages * page_size; ``flashlax.paged``). kv_lens: int [B] or None; K/V rows at or past
+    kv_lens[b] are never loaded (the mask that hides them is the caller's mask_mod).
+    ``kernel_options``: PyTorch FlexAttention's names for the config (configs.KERNEL_OPTIONS), applied on top
+    of the default config; ``config``: a whole FlashConfig instead (default: :func:`flash_config` for the
+    device kind, head dims and dtype). Differentiable in q, k (or its pages), v and float arrays captured
+    by the mods.
+    """
+    options = parse_kernel_options(kernel_options)
+    k, v, lkv, paging, block_table, kv_lens = _paging(q, k, v, block_table, kv_lens)
+    scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
+    prep = _setup(q, k, v, lkv, paging, score_mod, mask_mod, block_mask, scale, return_lse=return_lse,
+                  return_max=return_max, has_kv_lens=kv_lens is not None, interpret=interpret, options=options,
+                  config=config, device_kind=device_kind)
+    if prep is None:            # a mod the kernel cannot evaluate on tiles: the blockwise XLA path
+        from flashlax.fallbacks.attention import flex_attention_xla
+        if block_table is not None:
+            k, v = (paged.gather_pages(x, block_table) for x in (k, v))
+        if kv_lens is not None:
+            k, v = (paged.zero_past(x, kv_lens) for x in (k, v))
+        return flex_attention_xla(q, k, v, score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask,
+                                  scale=scale, return_lse=return_lse, return_max=return_max)
+    st, bm, captured = prep
     outs = _flash(st, q, k, v, bm, captured, (block_table, kv_lens))
     if return_max:
         return outs[0], outs[1], lax.stop_gradient(outs[2])
     return (outs[0], outs[1]) if return_lse else outs[0]
+
+
+def kernel_passes(q, k, v, *, score_mod=None, mask_mod=None, block_mask=None, scale, return_lse=False,
+                  interpret=False):
+    """The kernels of one call as two passes, without the custom_vjp (what ring attention runs per K/V
+    block): ``(forward, backward, score_consts)`` as :func:`flashlax.fallbacks.attention.blockwise_passes`,
+    whose passes it returns when a mod needs the XLA path."""
+    kb, vb, lkv, paging, _, _ = _paging(q, k, v, None, None)
+    prep = _setup(q, kb, vb, lkv, paging, score_mod, mask_mod, block_mask, float(scale), return_lse=return_lse,
+                  return_max=False, has_kv_lens=False, interpret=interpret, options=parse_kernel_options(None),
+                  config=None, device_kind=None)
+    if prep is None:
+        from flashlax.fallbacks.attention import blockwise_passes
+        return blockwise_passes(q, k, v, score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask,
+                                scale=scale)
+    st, bm, captured = prep
+    score_consts = captured[:st.n_score_cap]
+
+    def forward():
+        return _forward_call(st, q, kb, vb, bm, captured)
+
+    if return_lse or _kernel_bwd() is None:
+        # The backward kernels take no lse cotangent: the XLA path's backward, from the same out and lse.
+        from flashlax.fallbacks.attention import blockwise_passes
+        _, xla_backward, xla_consts = blockwise_passes(q, k, v, score_mod=score_mod, mask_mod=mask_mod,
+                                                       block_mask=block_mask, scale=st.scale)
+
+        def backward(out, lse, dout, dlse):
+            dq, dk, dv, d_xla = xla_backward(out, lse, dout, dlse)
+            return dq, dk, dv, tuple(next((g for x, g in zip(xla_consts, d_xla) if x is c), jnp.zeros_like(c))
+                                     for c in score_consts)
+
+        return forward, backward, score_consts
+
+    def backward(out, lse, dout, dlse):
+        dq, dk, dv, _, dcap, _ = _flash_bwd(st, (q, kb, vb, bm, captured, (None, None), out.astype(q.dtype), lse),
+                                            (dout.astype(q.dtype), dlse))
+        if k.shape[0] != kb.shape[0]:    # K/V of batch 1 broadcast over the batch
+            dk, dv = dk.sum(0, keepdims=True), dv.sum(0, keepdims=True)
+        d_score = tuple(jnp.zeros_like(c) if g is None else g for c, g in zip(score_consts, dcap))
+        return dq, dk, dv, d_score
+
+    return forward, backward, score_consts

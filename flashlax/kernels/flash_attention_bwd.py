@@ -44,6 +44,7 @@ from flashlax.kernels import _tiles
 from flashlax.kernels._tiles import LOG2E, dot_nn, dot_nt, dot_precision, dot_tn, exp2_fma, fma, leading_run, pow2
 from flashlax.kernels.configs import SMEM_LIMITS, device_family
 from flashlax.masks import BlockMask
+from flashlax.parallel.vma import out_struct
 
 
 @dataclasses.dataclass(frozen=True)
@@ -505,12 +506,13 @@ def flash_attention_bwd(q, k, v, out, lse, dout, *, block_mask: BlockMask | None
         grid=(bsz, hq, pl.cdiv(lq, blk)),
         in_specs=[o_spec, o_spec],
         out_specs=pl.BlockSpec((None, None, lq), lambda b, h, t: (b, h, 0)),
-        out_shape=jax.ShapeDtypeStruct((bsz, hq, lq), jnp.float32),
+        out_shape=out_struct((bsz, hq, lq), jnp.float32, out, dout),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret, name="flex_bwd_delta",
     )(out, dout)
 
     cap_values = cap["score"] + cap["mask"]
+    operands = (q, k, v, dout, lse, delta, *cap_values)
     cap_split = len(cap["score"])
     common = dict(n_cap=len(cap_values), groups=groups, mask_bq=mask_bq, mask_bkv=mask_bkv, lq=lq, lkv=lkv,
                   d=d, dv=dv, scale=float(scale), bm_dep=bm_dep, hm_dep=hm_dep, score_mod=score_mod,
@@ -530,7 +532,7 @@ def flash_attention_bwd(q, k, v, out, lse, dout, *, block_mask: BlockMask | None
                   pl.BlockSpec((None, groups, lq), lambda b, j, t: (b, j, 0)),
                   *[_full_spec(x) for x in t_mask], *cap_specs],
         out_specs=[kv_spec(d), kv_spec(dv)],
-        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        out_shape=[out_struct(k.shape, k.dtype, *operands), out_struct(v.shape, v.dtype, *operands)],
         compiler_params=plgpu.CompilerParams(num_warps=bwd.num_warps_dkv, num_stages=bwd.num_stages_dkv),
         interpret=interpret, name="flex_bwd_dkdv",
     )(q, k, v, dout, lse, delta, *t_mask, *cap_values)
@@ -547,7 +549,7 @@ def flash_attention_bwd(q, k, v, out, lse, dout, *, block_mask: BlockMask | None
         in_specs=[q_spec(d), kvh_spec(d), kvh_spec(dv), q_spec(dv), row_spec, row_spec,
                   *[_full_spec(x) for x in r_mask], *cap_specs],
         out_specs=q_spec(d),
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        out_shape=out_struct(q.shape, q.dtype, *operands),
         compiler_params=plgpu.CompilerParams(num_warps=bwd.num_warps_dq, num_stages=bwd.num_stages_dq),
         interpret=interpret, name="flex_bwd_dq",
     )(q, k, v, dout, lse, delta, *r_mask, *cap_values)

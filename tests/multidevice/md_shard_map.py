@@ -1,0 +1,124 @@
+"""Every op inside the caller's jax.shard_map with check_vma=True (the default), values and gradients of
+one device; and under jit on an Auto mesh (XLA's partitioner splits the XLA paths along batch and heads)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, PartitionSpec as P
+
+import flashlax
+from flashlax import masks
+from _helpers import assert_close, put, run_and_gathers, specs
+
+B, HQ, HKV, L, D = 4, 4, 2, 32, 16
+MESH = jax.make_mesh((4, 2), ("b", "h"), axis_types=(AxisType.Auto,) * 2)
+BH = P("b", "h")
+TABLE = 0.1 * jax.random.normal(jax.random.key(9), (2 * L,))
+
+
+def _normal(seed, shape):
+    return jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+
+
+def _rel_bias(table):
+    # A learned relative-position bias: its gradient sums the shares of every device.
+    return lambda score, b, h, q_idx, kv_idx: score + table[q_idx - kv_idx + L]
+
+
+def _gdr_inputs():
+    q, k, v = _normal(4, (B, HQ, L, D)), _normal(5, (B, HQ, L, D)), _normal(6, (B, HQ, L, D))
+    k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+    return q, k, v, -jax.nn.softplus(_normal(7, (B, HQ, L))), jax.nn.sigmoid(_normal(8, (B, HQ, L)))
+
+
+CASES = {
+    "flex_xla": (lambda t, q, k, v: flashlax.flex_attention(q, k, v, score_mod=_rel_bias(t), mask_mod=masks.causal),
+                 "attention", True),
+    "flex_repeat": (lambda t, q, k, v: flashlax.flex_attention(q, k, v, score_mod=_rel_bias(t), impl="repeat"),
+                    "attention", True),
+    "dot_product_attention": (lambda t, q, k, v: flashlax.dot_product_attention(
+        q.swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2), is_causal=True).swapaxes(1, 2), "attention", True),
+    "decode_xla": (lambda t, q, k, v: flashlax.decode_attention(q[:, :, :2], k, v, score_mod=_rel_bias(t),
+                                                                kv_lens=jnp.full((q.shape[0],), 20)),
+                   "attention", False),
+    **{f"gdr_{impl}": (lambda t, q, k, v, la, beta, impl=impl: flashlax.gated_delta_rule(
+        q, k, v, la, beta, chunk_size=16, impl=impl), "linear", True)
+       for impl in ("recurrent", "chunked", "chunked_fat")},
+}
+
+
+def _inputs(kind):
+    if kind == "attention":
+        return _normal(0, (B, HQ, L, D)), _normal(1, (B, HKV, L, D)), _normal(2, (B, HKV, L, D))
+    return _gdr_inputs()
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c == "gdr_chunked_fat" else c
+                                  for c in sorted(CASES)])
+def test_inside_shard_map(case):
+    fn, kind, differentiable = CASES[case]
+    args = _inputs(kind)
+    mapped = lambda t, *a: jax.shard_map(lambda *x: fn(t, *x), mesh=MESH, in_specs=BH, out_specs=BH)(*a)
+    assert_close(jax.jit(mapped)(TABLE, *args), jax.jit(fn)(TABLE, *args))
+    if differentiable:
+        loss = lambda f: (lambda *a: jnp.sum(jnp.sin(f(*a))))
+        grad = lambda f: jax.jit(jax.grad(loss(f), argnums=tuple(range(len(args) + 1))))
+        assert_close(grad(mapped)(TABLE, *args), grad(fn)(TABLE, *args), what="gradients")
+
+
+@pytest.mark.parametrize("op", ["flex", "decode"])
+def test_pallas_inside_shard_map(op):
+    """The Pallas kernels in the interpreter need check_vma=False inside a caller's shard_map: the Pallas
+    HLO interpreter pads blocks with constants that do not vary like the blocks (jax 0.11.2)."""
+    q, k, v = _inputs("attention")
+    kw = dict(impl="pallas", interpret=True, mask_mod=masks.causal)
+    fn = ((lambda q, k, v: flashlax.flex_attention(q, k, v, **kw)) if op == "flex"
+          else (lambda q, k, v: flashlax.decode_attention(q[:, :, :2], k, v, **kw)))
+    mapped = jax.shard_map(fn, mesh=MESH, in_specs=BH, out_specs=BH, check_vma=False)
+    assert_close(jax.jit(mapped)(q, k, v), jax.jit(fn)(q, k, v))
+
+
+@pytest.mark.parametrize("case", ["flex_xla", "decode_xla", "dot_product_attention", "gdr_recurrent", "gdr_chunked"])
+def test_auto_mesh(case):
+    """Auto axes do not show in the types: XLA's SPMD partitioner splits the XLA paths by itself. (The
+    chunked gated_delta_rule gathers its small inverted diagonal blocks, [N, B, H, C / 8, 8, 8], whose
+    flattening into one batch axis the partitioner cannot split; never q/k/v.)"""
+    fn, kind, _ = CASES[case]
+    args = _inputs(kind)
+    with jax.set_mesh(MESH):
+        got, gathers = run_and_gathers(fn, TABLE, *put(MESH, BH, *args))
+    if case == "gdr_chunked":
+        sizes = [np.prod([int(n) for n in g.split("[")[1].split("]")[0].split(",")]) for g in gathers]
+        assert all(size < args[0].size for size in sizes), gathers
+    else:
+        assert gathers == []
+    assert_close(got, jax.jit(fn)(TABLE, *args))
+    assert specs(got)[0][:2] == ("b", "h")
+
+
+@pytest.mark.parametrize("op", ["flex", "decode"])
+def test_auto_mesh_pallas(op):
+    """The Pallas kernels on an Auto mesh: custom_partitioning keeps the batch / head split (no gather),
+    mods get global b / h, gradients (captured table included) match one device."""
+    seg = (jnp.arange(L)[None, :] // 11 + jnp.arange(B)[:, None]) % 3
+    mask = masks.and_masks(masks.causal, masks.document(seg))
+    kw = dict(impl="pallas", interpret=True, mask_mod=mask)
+    if op == "flex":
+        fn = lambda t, q, k, v: flashlax.flex_attention(
+            q, k, v, score_mod=lambda s, b, h, qi, ki: s + t[qi - ki + L] * (h + 1).astype(s.dtype), **kw)
+    else:
+        fn = lambda t, q, k, v: flashlax.decode_attention(q[:, :, :2], k, v, score_mod=_rel_bias(t), **kw)
+    args = _inputs("attention")
+    loss = lambda *a: jnp.sum(jnp.sin(fn(*a)))
+    grad = jax.grad(loss, argnums=(0, 1, 2, 3))
+    with jax.set_mesh(MESH):
+        sharded = put(MESH, BH, *args)
+        got, gathers = run_and_gathers(fn, TABLE, *sharded)
+        assert gathers == [] and specs(got)[0][:2] == ("b", "h")
+        if op == "flex":
+            got_grads, gathers = run_and_gathers(grad, TABLE, *sharded)
+            assert gathers == []
+    assert_close(got, jax.jit(fn)(TABLE, *args))
+    if op == "flex":
+        assert_close(got_grads, jax.jit(grad)(TABLE, *args), what="gradients")
