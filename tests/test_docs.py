@@ -47,6 +47,8 @@ def test_readme_blocks_run_and_match_references():
     np.testing.assert_allclose(o, np.asarray(o_ref), rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(state, np.asarray(state_ref), rtol=1e-4, atol=1e-4)
     assert np.asarray(ns["grads"]).shape == q.shape
+    causal = flashlax.flex_attention(ns["q"], ns["k"], ns["v"], mask_mod=flashlax.masks.causal)
+    np.testing.assert_allclose(np.asarray(ns["out_cp"]), np.asarray(causal), rtol=1e-5, atol=1e-5)
 
 
 def test_api_md_blocks_run():
