@@ -241,6 +241,15 @@ def fma(x, a: float, b, interpret: bool = False):
     return _fma_asm(x, a, b, False, interpret)
 
 
+def exponent_factor(scale: float, has_score_mod: bool) -> float:
+    """The base-2 factor ``mult`` of :func:`softmax_update` for a kernel's scores: scale * log2 e on raw q.k
+    (scale > 0, no score_mod), 1 when a non-positive scale is applied to the scores first, log2 e after a
+    score_mod (it sees scaled scores). The running max is taken in the scores' units, so it is positive."""
+    if has_score_mod:
+        return LOG2E
+    return scale * LOG2E if scale > 0 else 1.0
+
+
 def softmax_update(s, m_prev, l_prev, mult: float, interpret: bool = False):
     """One KV tile of the online softmax with the base-2 factor folded into the exponent's FMA.
 

@@ -134,12 +134,8 @@ def _decode_kernel(kv_lens_ref, *refs, st: _Static, n_score_cap: int, groups: in
     q_idx = kv_lens_ref[0] - q_len + lax.rem(row, i32(q_len))  # absolute position of the new token
     q = _tiles.load_tile(q_ref, row0, br, rows, dp, d)
     precision = _tiles.dot_precision(q.dtype)
-    # Scores stay raw q.k (scale > 0, no score_mod) and `mult` turns them into base-2 exponents inside the
-    # softmax's FMA (_tiles.softmax_update); the running max is taken in those units, so mult > 0.
-    if st.score_mod is None:
-        mult = st.scale * LOG2E if st.scale > 0 else 1.0
-    else:
-        mult = LOG2E
+    # Base-2 factor of the scores, folded into the exponent's FMA (_tiles.softmax_update).
+    mult = _tiles.exponent_factor(st.scale, st.score_mod is not None)
 
     def visit(tile, carry, edge: bool):
         m_prev, l_prev, acc_prev = carry

@@ -125,12 +125,8 @@ def _fwd_kernel(*refs, st: _Static, n_cap: int, lq: int, lkv: int, d: int, dv: i
     sub = st.kv_sub
     kv_ragged = lkv % (bkv * sub) != 0
     kv_aligned = sub == 1 or not kv_ragged
-    # Base-2 factor of the scores, folded into the exponent's FMA (_tiles.softmax_update); the running
-    # max is taken on the unscaled scores, so the factor must be positive.
-    if st.score_mod is None:
-        mult = st.scale * LOG2E if st.scale > 0 else 1.0
-    else:
-        mult = LOG2E
+    # Base-2 factor of the scores, folded into the exponent's FMA (_tiles.softmax_update).
+    mult = _tiles.exponent_factor(st.scale, st.score_mod is not None)
 
     def visit(kv_tile, carry, masked: bool):
         m_prev, l_prev, acc_prev = carry
