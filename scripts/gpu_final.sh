@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: the gpu-marked tests and the benchmark suites on the GPU, in the order given as arguments
-# (default: tests decode linear quick; also: prefill4k, prefill16k, dims, paged), each step time-boxed
+# (default: tests decode linear quick; also: prefill4k, prefill16k, dims, paged, shardmap), each step time-boxed
 # (T_<STEP> seconds), every log and JSON written under $OUT as it goes, so a cut-off run keeps what finished.
 set -u
 export PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
@@ -30,6 +30,7 @@ for s in $steps; do
     linear) step "${T_LINEAR:-120}" linear python3 -m flashlax.bench --suite linear --device gpu --lengths 2048 8192 \
               --dims 64 128 --impls recurrent chunked chunked_fat ssd --max-recurrent-seq 2048 --ref-max-seq 2048 \
               --repeats 3 --output "$OUT/linear.json" ;;
+    shardmap) step "${T_SHARDMAP:-120}" shardmap python3 scripts/gpu_shardmap.py "$OUT/shardmap.json" ;;
     paged) step "${T_PAGED:-100}" paged python3 scripts/gpu_paged.py --out "$OUT/paged.json" ;;
   esac
 done

@@ -40,6 +40,10 @@ from flashlax.kernels.decode import decode_attention_pallas  # noqa: E402
 HQ, HKV, D = 32, 8, 128
 L2_BYTES = 50 * 2 ** 20
 SHAPES = [(1, 1, 65536), (8, 1, 16384), (32, 1, 4096), (1, 16, 65536)]      # (B, Lq, L)
+# Relative error of the bf16 output against the contiguous call: the same kernel config must agree to the
+# last bit but for page order (1e-3); another block_kv splits and sums in another order, and jax's paged
+# kernel scales q in bf16 first, both within a few bf16 roundings (2^-8 each).
+TOL = {None: 1e-3, "block_kv": 1e-2, "jax": 2e-2}
 TINY = dict(hq=4, hkv=2, d=32, shapes=[(1, 1, 512), (2, 1, 256), (1, 4, 512)], dtype=jnp.float32)
 RESULTS: list[dict] = []
 
@@ -148,7 +152,7 @@ def run_shape(shape, args, deadline: float):
                                  singles=args.singles)
             err = rel(np.asarray(got, np.float32), np.asarray(want, np.float32))
             record(shape, name, kv_bytes, thr, lat, err, page_size=page_size,
-                   ok=bool(err < (2e-2 if how == "jax" else 1e-3)))
+                   ok=bool(err < TOL[how if how in TOL else "block_kv"]))
         except Exception as exc:  # noqa: BLE001 (one failing variant must not lose the others)
             log(f"  {name}: {type(exc).__name__}: {str(exc)[:500]}")
             record(shape, name, kv_bytes, error=f"{type(exc).__name__}: {str(exc)[:300]}")
