@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: the gpu-marked tests and the benchmark suites on the GPU, in the order given as arguments
-# (default: tests decode linear quick; also: prefill4k, prefill16k, dims, paged, shardmap), each step time-boxed
+# (default: tests decode linear quick; also: prefill4k, prefill16k, dims, paged, shardmap, decode_diag), each step time-boxed
 # (T_<STEP> seconds), every log and JSON written under $OUT as it goes, so a cut-off run keeps what finished.
 set -u
 export PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
@@ -27,10 +27,14 @@ for s in $steps; do
     quick) step "${T_QUICK:-100}" quick python3 -m flashlax.bench --quick --output "$OUT/quick.json" ;;
     decode) step "${T_DECODE:-60}" decode python3 -m flashlax.bench --suite decode --device gpu --repeats 5 \
               --output "$OUT/decode.json" ;;
-    linear) step "${T_LINEAR:-120}" linear python3 -m flashlax.bench --suite linear --device gpu --lengths 2048 8192 \
-              --dims 64 128 --impls recurrent chunked chunked_fat ssd --max-recurrent-seq 2048 --ref-max-seq 2048 \
-              --repeats 3 --output "$OUT/linear.json" ;;
+    linear)  # one process per length (LIN_LENGTHS), so a time-out keeps the lengths that finished
+      for t in ${LIN_LENGTHS:-512 2048 8192}; do
+        step "${T_LINEAR:-120}" "linear_$t" python3 -m flashlax.bench --suite linear --device gpu --lengths "$t" \
+          --dims 64 128 --impls $([ "$t" -le 2048 ] && echo recurrent) chunked chunked_fat ssd \
+          --ref-max-seq 2048 --repeats 3 --output "$OUT/linear_$t.json"
+      done ;;
     shardmap) step "${T_SHARDMAP:-120}" shardmap python3 scripts/gpu_shardmap.py "$OUT/shardmap.json" ;;
+    decode_diag) step "${T_DECODE_DIAG:-90}" decode_diag python3 scripts/gpu_decode_diag.py --out "$OUT/decode_diag.json" ;;
     paged) step "${T_PAGED:-100}" paged python3 scripts/gpu_paged.py --out "$OUT/paged.json" ;;
   esac
 done

@@ -1,0 +1,93 @@
+"""Where the time of a small decode call goes (one device call): the full jitted decode_attention, the kernel
+alone (split partials), the XLA merge alone, jax's xla attention, and an almost empty jit (the dispatch
+floor), each as throughput (calls queued, one sync) and as host dispatch time (the same loop without the
+sync); plus the number of kernels (fusions / custom calls) in each compiled program.
+
+  PYTHONPATH=$PWD python3 scripts/gpu_decode_diag.py --out $OUT/decode_diag.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+import flashlax
+from flashlax.kernels import decode as dk
+from _gpu_common import log, rnd, timed
+
+HQ, HKV, D = 32, 8, 128
+
+
+def dispatch_us(fn, args, calls=200):
+    """Host microseconds per call when nothing waits for the GPU (median of 5 loops)."""
+    jax.block_until_ready(fn(*args))
+    samples = []
+    for _ in range(5):
+        jax.block_until_ready(fn(*args))
+        t = time.perf_counter()
+        for _ in range(calls):
+            out = fn(*args)
+        samples.append((time.perf_counter() - t) / calls * 1e6)
+        jax.block_until_ready(out)
+    return statistics.median(samples)
+
+
+def kernels(fn, args):
+    text = fn.lower(*args).compile().as_text()
+    entry = text[text.rfind("ENTRY"):]
+    return {"fusions": len(re.findall(r"= \S+ fusion\(", entry)), "custom_calls": len(re.findall(r"custom-call\(", entry)),
+            "entry_ops": entry.count("\n")}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="decode_diag.json")
+    args = p.parse_args()
+    rows = []
+    for batch, length, lq in [(1, 16384, 1), (1, 65536, 1), (1, 65536, 16)]:
+        sets = [(rnd(10 * i + 1, (batch, HQ, lq, D), jnp.bfloat16), rnd(10 * i + 2, (batch, HKV, length, D), jnp.bfloat16),
+                 rnd(10 * i + 3, (batch, HKV, length, D), jnp.bfloat16)) for i in range(3)]
+        lens = jnp.full((batch,), length, jnp.int32)
+        scale = D ** -0.5
+        full = jax.jit(lambda q, k, v: flashlax.decode_attention(q, k, v, impl="pallas"))
+        kern = jax.jit(lambda q, k, v: dk.kernel_outputs(q, k, v, lens, scale=scale, num_splits=None)[:2])
+        parts = kern(*sets[0])
+        merge = jax.jit(lambda o, l: dk.merge_splits(o, l)[0].astype(jnp.bfloat16))
+        mask = None
+        if lq > 1:
+            mask = (jnp.arange(length)[None, :] <= jnp.arange(lq)[:, None] + length - lq)[None, None]
+        jxla = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+            q.swapaxes(1, 2), jnp.repeat(k, HQ // HKV, 1).swapaxes(1, 2), jnp.repeat(v, HQ // HKV, 1).swapaxes(1, 2),
+            mask=mask, implementation="xla"))
+        jxla_gqa = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+            q.swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2), mask=mask, implementation="xla"))
+        empty = jax.jit(lambda q, k, v: q + 1)
+        variants = {"full": (full, sets), "kernel_only": (kern, sets), "merge_only": (merge, [parts]),
+                    "jax_xla_gqa": (jxla_gqa, sets), "jax_xla_repeat": (jxla, sets), "empty_jit": (empty, sets)}
+        for splits in (8, 16, 64):
+            variants[f"full_splits{splits}"] = (jax.jit(lambda q, k, v, s=splits: flashlax.decode_attention(
+                q, k, v, impl="pallas", num_splits=s)), sets)
+        want = jax.jit(lambda q, k, v: flashlax.decode_attention(q, k, v, impl="xla"))(*sets[0])
+        for name, (fn, arg_sets) in variants.items():
+            try:
+                thr, lat = timed(fn, arg_sets, calls=100, reps=7, singles=10)
+                row = dict(batch=batch, lkv=length, lq=lq, variant=name, thr_ms=thr, lat_ms=lat,
+                           dispatch_us=dispatch_us(fn, arg_sets[0]), **kernels(fn, arg_sets[0]))
+                if name.startswith("full"):
+                    got = fn(*sets[0])
+                    row["max_abs_vs_xla"] = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
+            except Exception as exc:  # noqa: BLE001
+                row = dict(batch=batch, lkv=length, lq=lq, variant=name, error=f"{type(exc).__name__}: {exc}"[:400])
+            log(row)
+            rows.append(row)
+    json.dump(rows, open(args.out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
