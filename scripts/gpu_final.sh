@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: the gpu-marked tests and the benchmark suites on the GPU, in the order given as arguments
-# (default: tests decode linear quick; also: prefill4k, prefill16k, dims, paged, shardmap, decode_diag), each step time-boxed
+# (default: tests decode linear quick; also: prefill4k, prefill16k, dims, paged, shardmap, decode_diag, linear_ab), each step time-boxed
 # (T_<STEP> seconds), every log and JSON written under $OUT as it goes, so a cut-off run keeps what finished.
 set -u
 export PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
@@ -35,6 +35,8 @@ for s in $steps; do
       done ;;
     shardmap) step "${T_SHARDMAP:-120}" shardmap python3 scripts/gpu_shardmap.py "$OUT/shardmap.json" ;;
     decode_diag) step "${T_DECODE_DIAG:-90}" decode_diag python3 scripts/gpu_decode_diag.py --out "$OUT/decode_diag.json" ;;
+    linear_ab) step "${T_LINEAR_AB:-240}" linear_ab python3 scripts/gpu_linear_ab.py --out "$OUT" \
+                 --deadline "${LINEAR_AB_DEADLINE:-200}" ;;
     paged) step "${T_PAGED:-100}" paged python3 scripts/gpu_paged.py --out "$OUT/paged.json" ;;
   esac
 done

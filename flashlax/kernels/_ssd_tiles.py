@@ -17,6 +17,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from flashlax.kernels._tiles import pow2
+from flashlax.parallel.vma import out_struct
 from flashlax.kernels.configs import SSDConfig
 
 F32 = jnp.float32
@@ -36,6 +37,7 @@ class Static:
     has_beta: bool
     dtype: Any            # q/k/v dtype
     interpret: bool
+    backward: str = "pallas"   # "pallas": the Pallas backward kernels; "xla": the chunked XLA backward
 
     @property
     def dkp(self) -> int:
@@ -409,9 +411,11 @@ def call(kernel, st: Static, grid0: int, inputs: dict, outputs: dict, *, sequent
     names = tuple(inputs) + tuple(outputs)
     params = plgpu.CompilerParams(num_warps=cfg.state_warps if sequential else cfg.num_warps,
                                   num_stages=cfg.state_stages if sequential else 1)
+    arrays = [x for x, _ in inputs.values()]
+    # inside a caller's shard_map (check_vma=True) each output varies over the mesh axes its inputs vary over
+    out_shape = [out_struct(sds.shape, sds.dtype, *arrays) for sds, _ in outputs.values()]
     outs = pl.pallas_call(
         functools.partial(kernel, names=names, st=st), grid=(grid0, bh[1], bh[0]),
         in_specs=[spec for _, spec in inputs.values()], out_specs=[spec for _, spec in outputs.values()],
-        out_shape=[sds for sds, _ in outputs.values()], compiler_params=params, interpret=st.interpret,
-        name=name)(*[x for x, _ in inputs.values()])
+        out_shape=out_shape, compiler_params=params, interpret=st.interpret, name=name)(*arrays)
     return dict(zip(outputs, outs))

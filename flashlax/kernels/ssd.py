@@ -43,6 +43,7 @@ from flashlax.kernels._ssd_tiles import (F32, UT_BLOCK, Decays, Static, add_all,
                                          mm, named, p_blocks, per_chunk_arg, per_chunk_out, seq_arg, seq_out,
                                          sequential_program, state_block, store, store_state, ut_blocks, vec_spec)
 from flashlax.kernels.configs import SSDConfig, check_ssd_config, ssd_config
+from flashlax.parallel.vma import cotangent_like, match_vma
 
 
 def _precompute_kernel(*refs, names, st: Static):
@@ -219,9 +220,18 @@ def _ssd_fwd(q, k, v, la, beta, s0, st):
 
 
 def _ssd_bwd(st, res, cts):
-    from flashlax.kernels.ssd_bwd import backward
+    if st.backward == "xla":
+        # the chunked XLA path's backward: the same residuals (the inputs), recomputes in XLA
+        from flashlax.fallbacks.linear import _chunked_bwd
 
-    return backward(st, *res, *cts)
+        q, k, v, la, beta, s0 = res
+        grads = _chunked_bwd(st.scale, st.chunk, False, ((q, k, v, la, beta), s0), cts)
+    else:
+        from flashlax.kernels.ssd_bwd import backward
+
+        grads = backward(st, *res, *cts)
+    # each cotangent typed like its primal (dtype, and the mesh axes it varies over inside shard_map)
+    return tuple(None if g is None else cotangent_like(g, x) for g, x in zip(grads, res))
 
 
 _ssd.defvjp(_ssd_fwd, _ssd_bwd)
@@ -231,7 +241,7 @@ _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
 def make_static(q, k, v, beta, *, scale: float, chunk_size: int, interpret: bool, config: SSDConfig | None,
-                device_kind: str | None) -> Static:
+                device_kind: str | None, backward: str = "pallas") -> Static:
     """Checks dtypes and head dims, picks and checks the config; the kernels' static description."""
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in _DTYPES:
         raise ValueError(f"gated_delta_rule_ssd: q, k, v must share one dtype of float32/bfloat16/float16, "
@@ -245,29 +255,34 @@ def make_static(q, k, v, beta, *, scale: float, chunk_size: int, interpret: bool
     cfg = ssd_config(dk, dv, q.dtype, kind) if config is None else config
     chunk = min(int(chunk_size), cfg.max_chunk)
     check_ssd_config(cfg, dk, dv, chunk, q.dtype, kind)
-    return Static(config=cfg, scale=float(scale), chunk=chunk, seq_len=seq_len, dk=dk, dv=dv,
+    if backward not in ("pallas", "xla"):
+        raise ValueError(f"gated_delta_rule_ssd: backward must be 'pallas' or 'xla', got {backward!r}")
+    return Static(backward=backward, config=cfg, scale=float(scale), chunk=chunk, seq_len=seq_len, dk=dk, dv=dv,
                   has_beta=beta is not None, dtype=jnp.dtype(q.dtype), interpret=bool(interpret))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "return_final_state", "chunk_size", "interpret", "config",
-                                             "device_kind"))
+                                             "device_kind", "backward"))
 def gated_delta_rule_ssd(q, k, v, log_alpha, beta=None, *, scale: float, initial_state=None,
                          return_final_state: bool = False, chunk_size: int = 64, interpret: bool = False,
-                         config: SSDConfig | None = None, device_kind: str | None = None):
+                         config: SSDConfig | None = None, device_kind: str | None = None,
+                         backward: str = "pallas"):
     """Gated delta rule (``beta`` given) or gated linear attention / Mamba-2 SSD (``beta=None``), Pallas.
 
     q, k: [B, H, T, dk]; v: [B, H, T, dv] (one dtype of float32/bfloat16/float16, dk, dv <= 256);
     log_alpha, beta: [B, H, T]; initial_state: [B, H, dk, dv] or None. Returns o [B, H, T, dv] in v's
     dtype (and the final state [B, H, dk, dv] float32). Differentiable in every array (custom_vjp whose
     residuals are the inputs). ``config``: an SSDConfig (default: :func:`ssd_config` for the device kind);
-    a chunk_size above its ``max_chunk`` runs at ``max_chunk`` (the same function).
+    a chunk_size above its ``max_chunk`` runs at ``max_chunk`` (the same function). ``backward``: "pallas"
+    (the Pallas backward kernels) or "xla" (the backward of the chunked XLA path, on the same residuals).
     """
     st = make_static(q, k, v, beta, scale=scale, chunk_size=chunk_size, interpret=interpret, config=config,
-                     device_kind=device_kind)
+                     device_kind=device_kind, backward=backward)
     batch, heads, _, dk = q.shape
     dv = v.shape[-1]
     la = log_alpha.astype(F32)
     beta32 = None if beta is None else beta.astype(F32)
     s0 = jnp.zeros((batch, heads, dk, dv), F32) if initial_state is None else initial_state.astype(F32)
+    s0 = match_vma(s0, q, k, v, la, beta32)      # inside a caller's shard_map: varies like the inputs
     o, final = _ssd(q, k, v, la, beta32, s0, st)
     return (o, final) if return_final_state else o

@@ -67,16 +67,52 @@ def test_inside_shard_map(case):
         assert_close(grad(mapped)(TABLE, *args), grad(fn)(TABLE, *args), what="gradients")
 
 
-@pytest.mark.parametrize("op", ["flex", "decode"])
-def test_pallas_inside_shard_map(op):
-    """The Pallas kernels in the interpreter need check_vma=False inside a caller's shard_map: the Pallas
-    HLO interpreter pads blocks with constants that do not vary like the blocks (jax 0.11.2)."""
+def _pallas_case(op):
+    """(fn of arrays, the arrays, differentiable) for each Pallas kernel run in the interpreter."""
+    if op.startswith("ssd"):
+        q, k, v, la, beta = _gdr_inputs()
+        args = (q, k, v, la) if op == "ssd_nobeta" else (q, k, v, la, beta)
+        return (lambda *a: flashlax.gated_delta_rule(*a, chunk_size=16, impl="ssd", interpret=True)), args, True
     q, k, v = _inputs("attention")
     kw = dict(impl="pallas", interpret=True, mask_mod=masks.causal)
-    fn = ((lambda q, k, v: flashlax.flex_attention(q, k, v, **kw)) if op == "flex"
-          else (lambda q, k, v: flashlax.decode_attention(q[:, :, :2], k, v, **kw)))
+    if op == "flex":
+        return (lambda q, k, v: flashlax.flex_attention(q, k, v, **kw)), (q, k, v), True
+    return (lambda q, k, v: flashlax.decode_attention(q[:, :, :2], k, v, **kw)), (q, k, v), False
+
+
+def _grad(fn, n):
+    return jax.grad(lambda *a: jnp.sum(jnp.sin(fn(*a))), argnums=tuple(range(n)))
+
+
+PALLAS_OPS = ["flex", "decode", "ssd", "ssd_nobeta"]
+
+
+@pytest.mark.parametrize("op", PALLAS_OPS)
+def test_pallas_inside_shard_map(op):
+    """Values (and gradients) of the Pallas kernels inside a caller's shard_map equal one device. The
+    interpreter needs check_vma=False there: the Pallas HLO interpreter pads blocks with constants that do
+    not vary like the blocks (jax 0.11.2); the typing under check_vma=True is checked below, the real
+    kernels under check_vma=True by scripts/gpu_shardmap.py on the GPU."""
+    fn, args, differentiable = _pallas_case(op)
     mapped = jax.shard_map(fn, mesh=MESH, in_specs=BH, out_specs=BH, check_vma=False)
-    assert_close(jax.jit(mapped)(q, k, v), jax.jit(fn)(q, k, v))
+    assert_close(jax.jit(mapped)(*args), jax.jit(fn)(*args))
+    if differentiable:
+        assert_close(jax.jit(_grad(mapped, len(args)))(*args), jax.jit(_grad(fn, len(args)))(*args),
+                     what="gradients")
+
+
+@pytest.mark.parametrize("op", PALLAS_OPS)
+def test_pallas_types_under_check_vma(op):
+    """Inside shard_map with check_vma=True every pallas_call output and custom_vjp cotangent carries the
+    manual axes of its inputs (else JAX raises while tracing): the outputs and gradients trace with the
+    shapes and shardings of one device's shard."""
+    fn, args, differentiable = _pallas_case(op)
+    mapped = jax.shard_map(fn, mesh=MESH, in_specs=BH, out_specs=BH, check_vma=True)
+    out = jax.eval_shape(mapped, *args)
+    assert out.shape == jax.eval_shape(fn, *args).shape
+    if differentiable:
+        grads = jax.eval_shape(_grad(mapped, len(args)), *args)
+        assert [g.shape for g in grads] == [a.shape for a in args]
 
 
 @pytest.mark.parametrize("case", ["flex_xla", "decode_xla", "dot_product_attention", "gdr_recurrent", "gdr_chunked"])
