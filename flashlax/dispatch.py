@@ -63,10 +63,9 @@ TABLE: dict[str, dict[str, Impl]] = {
 DEFAULTS: dict[str, dict[str, str]] = {
     "flex_attention": {"cpu": "xla", "gpu": "pallas"},
     "decode_attention": {"cpu": "xla", "gpu": "pallas"},
-    # ssd was faster than chunked in every case timed on the H200 (docs/PERF_NOTES.md, session 7), but its
-    # shipped float32 configuration with beta has no GPU correctness run yet and T 512/2048 were not timed:
-    # chunked stays the GPU default until one run of `pytest -m gpu tests/test_ssd_kernel.py` and the bench.
-    "gated_delta_rule": {"cpu": "chunked", "gpu": "chunked"},
+    # ssd (Pallas forward; with beta the chunked XLA backward, without beta the Pallas backward) was faster
+    # than chunked forward and forward+backward in every case timed on the H200 (docs/PERF_NOTES.md, session 8).
+    "gated_delta_rule": {"cpu": "chunked", "gpu": "ssd"},
 }
 
 

@@ -18,6 +18,7 @@ from conftest import TOLERANCES, on_gpu, rel_err
 from flashlax import dispatch, gated_delta_rule
 from flashlax.kernels import configs
 from flashlax.kernels.configs import SSDConfig, check_ssd_config, ssd_config, ssd_smem_bytes
+from flashlax.kernels import ssd as ssd_module
 from flashlax.kernels.ssd import gated_delta_rule_ssd
 from test_linear import err_vs_reference, make_inputs, random_cotangents, reference, run_with_grads
 
@@ -27,11 +28,16 @@ LOW_PRECISION_TOL = {"bfloat16": 1e-2, "float16": 2e-3}     # as tests/test_line
 
 @functools.lru_cache(maxsize=None)
 def ssd(chunk_size, **kw):
-    """impl="ssd" through the front end (interpreted on CPU), or the kernel entry with extra arguments.
-    Cached, so tests that share shapes share the compiled programs (see :func:`errors`)."""
-    if kw:
-        return functools.partial(gated_delta_rule_ssd, chunk_size=chunk_size, interpret=INTERPRET, **kw)
-    return functools.partial(gated_delta_rule, impl="ssd", chunk_size=chunk_size, interpret=INTERPRET)
+    """The kernel entry (interpreted on CPU) with the Pallas backward unless ``backward`` is given, scale
+    dk^-1/2 unless given. Cached, so tests that share shapes share the compiled programs (see
+    :func:`errors`). The front end (impl="ssd", backward "auto") is tested in test_front_end_default."""
+    kw.setdefault("backward", "pallas")
+
+    def fn(q, k, v, log_alpha, beta=None, **call_kw):
+        return gated_delta_rule_ssd(q, k, v, log_alpha, beta, **{"scale": q.shape[-1] ** -0.5, **kw, **call_kw},
+                                    chunk_size=chunk_size, interpret=INTERPRET)
+
+    return fn
 
 
 @functools.lru_cache(maxsize=None)
@@ -114,6 +120,26 @@ def test_extreme_decays(case):
             reset[..., [5, 31, 32, 40, 70]] = True
             inputs["log_alpha"] = jnp.where(reset, -1e4, inputs["log_alpha"])
         assert_close(errors(ssd(32), inputs, seed=3), TOLERANCES["float32"])
+
+
+@pytest.mark.parametrize("with_beta", [True, False])
+def test_front_end_default(with_beta):
+    """impl="ssd" through gated_delta_rule: backward "auto" is the chunked XLA backward with beta and the
+    Pallas backward without (the faster on the H200); both against the float64 recurrence. The first
+    CASES' shapes (compiled once)."""
+    inputs = make_inputs(77, 1, 2, 77, 8, 24, with_beta=with_beta, with_state=with_beta)
+    st = ssd_module.make_static(inputs["q"], inputs["k"], inputs["v"], inputs.get("beta"), scale=1.0,
+                                chunk_size=32, interpret=True, config=None, device_kind=None)
+    assert st.backward == ("xla" if with_beta else "pallas")
+    front = functools.partial(gated_delta_rule, impl="ssd", chunk_size=32, interpret=INTERPRET)
+    assert_close(errors(front, inputs, seed=77), TOLERANCES["float32"])
+
+
+def test_backward_option_validated():
+    inputs = make_inputs(0, 1, 1, 8, 4, 4)
+    with pytest.raises(ValueError, match="backward must be"):
+        gated_delta_rule_ssd(inputs["q"], inputs["k"], inputs["v"], inputs["log_alpha"], scale=1.0,
+                             interpret=True, backward="triton")
 
 
 def test_scale_beta_range_and_x64():
@@ -223,6 +249,19 @@ def test_gpu_float32_deterministic_and_matches_chunked():
 def test_gpu_float32(dk, dv, with_beta, seq_len):
     inputs = make_inputs(12, 2, 2, seq_len, dk, dv, with_beta=with_beta, la_lo=-2.0)
     assert_close(errors(ssd(64), inputs, seed=12), TOLERANCES["float32"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("with_beta", [True, False])
+def test_gpu_default_matches_chunked(with_beta):
+    """The GPU default (impl=None: ssd, backward "auto") against chunked, output and every gradient."""
+    inputs = make_inputs(14, 2, 2, 1000, 64, 64, la_lo=-2.0, with_beta=with_beta)
+    assert dispatch.default_impl("gated_delta_rule", "gpu") == "ssd"
+    cot = random_cotangents(inputs, 14)
+    got = run_with_grads(gated_delta_rule, inputs, cot)
+    want = run_with_grads(functools.partial(gated_delta_rule, impl="chunked"), inputs, cot)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        assert rel_err(a, b) < 1e-5
 
 
 @pytest.mark.gpu

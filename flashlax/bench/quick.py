@@ -200,8 +200,8 @@ def _run_on(device, fn, impl, inputs, cot):
 
 def parity_pairs(op: str) -> list[tuple[str, str]]:
     """(GPU impl, CPU impl) pairs compared by :func:`parity`: the two defaults, and every Pallas kernel of
-    the op that is not the GPU default against the CPU default (ssd against chunked while chunked is the
-    GPU default)."""
+    the op that is not the GPU default against the CPU default (gated_delta_rule: ssd, the GPU default,
+    against chunked)."""
     gpu_impl, cpu_impl = dispatch.default_impl(op, "gpu"), dispatch.default_impl(op, "cpu")
     kernels = [name for name, entry in dispatch.TABLE[op].items()
                if entry.kind == "pallas" and entry.target is not None and name != gpu_impl]

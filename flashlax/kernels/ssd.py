@@ -1,5 +1,6 @@
-"""gated_delta_rule on the GPU, impl "ssd": Pallas kernels (Triton lowering), forward; the backward is in
-:mod:`flashlax.kernels.ssd_bwd`.
+"""gated_delta_rule on the GPU, impl "ssd": Pallas kernels (Triton lowering), forward; the Pallas backward is in
+:mod:`flashlax.kernels.ssd_bwd`. ``backward="auto"`` (the default) takes the faster backward on the H200: the
+Pallas kernels without beta, the chunked XLA path's backward with beta (both on the same residuals, the inputs).
 
 The chunked algorithm of ``flashlax/fallbacks/linear.py`` (see its docstring for the algebra) split into
 kernels by parallelism. Per chunk of C tokens with state ``S`` at its start::
@@ -241,7 +242,7 @@ _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
 def make_static(q, k, v, beta, *, scale: float, chunk_size: int, interpret: bool, config: SSDConfig | None,
-                device_kind: str | None, backward: str = "pallas") -> Static:
+                device_kind: str | None, backward: str = "auto") -> Static:
     """Checks dtypes and head dims, picks and checks the config; the kernels' static description."""
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in _DTYPES:
         raise ValueError(f"gated_delta_rule_ssd: q, k, v must share one dtype of float32/bfloat16/float16, "
@@ -255,8 +256,10 @@ def make_static(q, k, v, beta, *, scale: float, chunk_size: int, interpret: bool
     cfg = ssd_config(dk, dv, q.dtype, kind) if config is None else config
     chunk = min(int(chunk_size), cfg.max_chunk)
     check_ssd_config(cfg, dk, dv, chunk, q.dtype, kind)
-    if backward not in ("pallas", "xla"):
-        raise ValueError(f"gated_delta_rule_ssd: backward must be 'pallas' or 'xla', got {backward!r}")
+    if backward not in ("auto", "pallas", "xla"):
+        raise ValueError(f"gated_delta_rule_ssd: backward must be 'auto', 'pallas' or 'xla', got {backward!r}")
+    if backward == "auto":      # the faster one on the H200 (docs/PERF_NOTES.md, session 8)
+        backward = "xla" if beta is not None else "pallas"
     return Static(backward=backward, config=cfg, scale=float(scale), chunk=chunk, seq_len=seq_len, dk=dk, dv=dv,
                   has_beta=beta is not None, dtype=jnp.dtype(q.dtype), interpret=bool(interpret))
 
@@ -266,7 +269,7 @@ def make_static(q, k, v, beta, *, scale: float, chunk_size: int, interpret: bool
 def gated_delta_rule_ssd(q, k, v, log_alpha, beta=None, *, scale: float, initial_state=None,
                          return_final_state: bool = False, chunk_size: int = 64, interpret: bool = False,
                          config: SSDConfig | None = None, device_kind: str | None = None,
-                         backward: str = "pallas"):
+                         backward: str = "auto"):
     """Gated delta rule (``beta`` given) or gated linear attention / Mamba-2 SSD (``beta=None``), Pallas.
 
     q, k: [B, H, T, dk]; v: [B, H, T, dv] (one dtype of float32/bfloat16/float16, dk, dv <= 256);
@@ -274,7 +277,8 @@ def gated_delta_rule_ssd(q, k, v, log_alpha, beta=None, *, scale: float, initial
     dtype (and the final state [B, H, dk, dv] float32). Differentiable in every array (custom_vjp whose
     residuals are the inputs). ``config``: an SSDConfig (default: :func:`ssd_config` for the device kind);
     a chunk_size above its ``max_chunk`` runs at ``max_chunk`` (the same function). ``backward``: "pallas"
-    (the Pallas backward kernels) or "xla" (the backward of the chunked XLA path, on the same residuals).
+    (the Pallas backward kernels), "xla" (the backward of the chunked XLA path on the same residuals, the
+    inputs) or "auto" (the faster on the H200: "xla" with beta, "pallas" without; docs/PERF_NOTES.md).
     """
     st = make_static(q, k, v, beta, scale=scale, chunk_size=chunk_size, interpret=interpret, config=config,
                      device_kind=device_kind, backward=backward)
