@@ -83,7 +83,8 @@ def gated_delta_rule(q, k, v, log_alpha, beta=None, *, scale: float | None = Non
       scale: defaults to ``dk ** -0.5``. initial_state: [B, H, dk, dv] or None (zeros).
       return_final_state: also return the final state [B, H, dk, dv] float32.
       chunk_size: 16, 32, 64 or 128 (chunked paths). impl: "recurrent", "chunked", "chunked_fat",
-      "ssd" or None (the backend's default). interpret: run a Pallas kernel in the interpreter.
+      "ssd" or None (the backend's default: "chunked" on CPU, "ssd" on GPU). interpret: run a Pallas
+      kernel in the interpreter.
       context_axis: a mesh axis name splitting T (contiguously in axis order): sequence parallelism. Each
         device runs its part of the sequence; the affine state maps of the parts are combined across
         the axis (an all-gather of [dk, dk + dv] maps per batch and head), forward and backward.
@@ -110,4 +111,4 @@ def gated_delta_rule(q, k, v, log_alpha, beta=None, *, scale: float | None = Non
         options["interpret"] = interpret
     return parallel.gated_delta_rule(fn, q, k, v, log_alpha, beta, initial_state=initial_state,
                                      return_final_state=bool(return_final_state), context_axis=context_axis,
-                                     **options)
+                                     kernel=entry.kind == "pallas", **options)

@@ -355,13 +355,14 @@ def decode_attention(fn: Callable, impl: str, q, k_cache, v_cache, *, kv_lens, s
 
 
 def gated_delta_rule(fn: Callable, q, k, v, log_alpha, beta, *, initial_state, return_final_state: bool,
-                     context_axis: str | None, **options):
+                     context_axis: str | None, kernel: bool = False, **options):
     """gated_delta_rule's implementation ``fn`` per shard of the batch and heads, or sequence parallel over
-    ``context_axis`` (:func:`flashlax.parallel.sequence.gated_delta_rule`). ``options``: the impl's other
-    keyword arguments (scale, chunk_size, ...)."""
+    ``context_axis`` (:func:`flashlax.parallel.sequence.gated_delta_rule`). ``kernel``: ``fn`` is a Pallas
+    kernel (on an Auto mesh it runs per shard through custom_partitioning, as XLA cannot split it).
+    ``options``: the impl's other keyword arguments (scale, chunk_size, ...)."""
     heads = q.shape[1]
     placement = plan("gated_delta_rule", q, k, v, log_alpha, beta, initial_state, heads=heads, kv_heads=heads,
-                     context_axis=context_axis, check_vma=not options.get("interpret", False))
+                     context_axis=context_axis, check_vma=not options.get("interpret", False), kernel=kernel)
 
     def call(q, k, v, log_alpha, beta, initial_state, return_final_state=return_final_state):
         return fn(q, k, v, log_alpha, beta, initial_state=initial_state, return_final_state=return_final_state,
@@ -378,5 +379,5 @@ def gated_delta_rule(fn: Callable, q, k, v, log_alpha, beta, *, initial_state, r
         return sequence.gated_delta_rule(placement, call, q, k, v, log_alpha, beta, initial_state,
                                          return_final_state=return_final_state)
     outs = ("bh..", "bh..") if return_final_state else "bh.."
-    return placement.run(call, (q, k, v, log_alpha, beta, initial_state), ("bh..",) * 3 + ("bh.",) * 2 + ("bh..",),
-                         outs)
+    return placement.run_mods(lambda placement, mods, *args: call(*args), (), (q, k, v, log_alpha, beta, initial_state),
+                              ("bh..",) * 3 + ("bh.",) * 2 + ("bh..",), outs, kv_heads=heads, differentiable=True)

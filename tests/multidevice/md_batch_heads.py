@@ -102,12 +102,12 @@ def test_decode_attention(impl):
 
 
 @pytest.mark.parametrize("impl", [pytest.param("recurrent", marks=pytest.mark.slow), "chunked",
-                                  pytest.param("chunked_fat", marks=pytest.mark.slow)])
+                                  pytest.param("chunked_fat", marks=pytest.mark.slow), "ssd"])
 def test_gated_delta_rule(impl):
     q, k, v = _normal(4, (B, HQ, L, D)), _normal(5, (B, HQ, L, D)), _normal(6, (B, HQ, L, D))
     k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
     log_alpha, beta = -jax.nn.softplus(_normal(7, (B, HQ, L))), jax.nn.sigmoid(_normal(8, (B, HQ, L)))
     state = 0.1 * _normal(9, (B, HQ, D, D))
     fn = lambda *a: flashlax.gated_delta_rule(*a[:5], initial_state=a[5], return_final_state=True,
-                                              chunk_size=16, impl=impl)
+                                              chunk_size=16, impl=impl, interpret=impl == "ssd")
     _check(fn, (q, k, v, log_alpha, beta, state), (BH,) * 6, BH)

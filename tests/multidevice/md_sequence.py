@@ -67,11 +67,12 @@ def _gdr_inputs(seed=3):
 
 @pytest.mark.parametrize("impl,with_beta", [("chunked", True), ("chunked", False),
                                             pytest.param("chunked_fat", True, marks=pytest.mark.slow),
-                                            ("recurrent", True)])
+                                            ("recurrent", True), ("ssd", True), ("ssd", False)])
 def test_gated_delta_rule(impl, with_beta):
     def fn(q, k, v, log_alpha, beta, state, ctx):
         return flashlax.gated_delta_rule(q, k, v, log_alpha, beta if with_beta else None, initial_state=state,
-                                         return_final_state=True, chunk_size=16, impl=impl, context_axis=ctx)
+                                         return_final_state=True, chunk_size=16, impl=impl, context_axis=ctx,
+                                         interpret=impl == "ssd")
 
     loss = lambda *a: sum(jnp.sum(x * jnp.cos(x)) for x in fn(*a))
     grad = lambda ctx: jax.jit(jax.grad(lambda *a: loss(*a, ctx), argnums=tuple(range(6))))

@@ -158,3 +158,20 @@ def test_auto_mesh_pallas(op):
     assert_close(got, jax.jit(fn)(TABLE, *args))
     if op == "flex":
         assert_close(got_grads, jax.jit(grad)(TABLE, *args), what="gradients")
+
+
+def test_auto_mesh_ssd():
+    """The ssd kernels on an Auto mesh: custom_partitioning keeps the batch / head split (no gather of the
+    inputs), values, final state and gradients (initial state included) equal one device."""
+    args = _gdr_inputs() + (0.1 * _normal(9, (B, HQ, D, D)),)
+    fn = lambda q, k, v, la, beta, state: flashlax.gated_delta_rule(
+        q, k, v, la, beta, initial_state=state, chunk_size=16, impl="ssd", interpret=True, return_final_state=True)
+    grad = jax.grad(lambda *a: sum(jnp.sum(jnp.sin(x)) for x in fn(*a)), argnums=tuple(range(len(args))))
+    with jax.set_mesh(MESH):
+        sharded = put(MESH, BH, *args)
+        got, gathers = run_and_gathers(fn, *sharded)
+        assert gathers == [] and all(spec[:2] == ("b", "h") for spec in specs(got))
+        got_grads, gathers = run_and_gathers(grad, *sharded)
+        assert gathers == []
+    assert_close(got, jax.jit(fn)(*args))
+    assert_close(got_grads, jax.jit(grad)(*args), what="gradients")
