@@ -250,6 +250,14 @@ def exponent_factor(scale: float, has_score_mod: bool) -> float:
     return scale * LOG2E if scale > 0 else 1.0
 
 
+def kernel_scores(qk, scale: float, score_mod, caps, b, h, q_idx, kv_idx):
+    """A tile's scores in the units :func:`exponent_factor` turns into base-2 exponents: raw q.k (scale > 0,
+    no score_mod), q.k * scale * log2 e (scale <= 0), or the score_mod of the scaled scores."""
+    if score_mod is None:
+        return qk if scale > 0 else qk * (scale * LOG2E)
+    return score_mod(caps, qk * scale, b, h, q_idx, kv_idx)
+
+
 def softmax_update(s, m_prev, l_prev, mult: float, interpret: bool = False):
     """One KV tile of the online softmax with the base-2 factor folded into the exponent's FMA.
 

@@ -43,7 +43,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from flashlax import paged
 from flashlax.kernels import _tiles
-from flashlax.kernels._tiles import LOG2E, TileMod, pow2
+from flashlax.kernels._tiles import TileMod, pow2
 from flashlax.kernels.configs import (DecodeConfig, check_decode_config, decode_config, decode_shrink_to_fit,
                                       num_sms)
 from flashlax.parallel.vma import out_struct
@@ -145,10 +145,7 @@ def _decode_kernel(kv_lens_ref, *refs, st: _Static, n_score_cap: int, groups: in
         v = _load_kv(v_ref, kv_start, bk, dvp, dv, limit, pages)
         qk = _tiles.dot_nt(q, k, precision)
         kv_idx = kv_start + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
-        if st.score_mod is None:
-            s = qk if st.scale > 0 else qk * (st.scale * LOG2E)
-        else:
-            s = st.score_mod(score_caps, qk * st.scale, b, h, q_idx, kv_idx)
+        s = _tiles.kernel_scores(qk, st.scale, st.score_mod, score_caps, b, h, q_idx, kv_idx)
         if edge:   # new token i sees positions <= kv_len - Lq + i (< kv_len: rows past it are 0, unread)
             s = jnp.where(kv_idx <= q_idx, s, -jnp.inf)
         if st.mask_mod is not None:

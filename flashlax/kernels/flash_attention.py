@@ -45,7 +45,7 @@ from flashlax import masks as masks_lib
 from flashlax import paged
 from flashlax.fallbacks.attention import broadcast_kv_batch, mask_extent
 from flashlax.kernels import _tiles
-from flashlax.kernels._tiles import LOG2E, TileMod, pow2
+from flashlax.kernels._tiles import TileMod, pow2
 from flashlax.kernels.configs import (FlashConfig, check_config, flash_config, parse_kernel_options,
                                      shrink_to_fit, smem_limit)
 from flashlax.parallel.vma import cotangent_like, out_struct
@@ -137,10 +137,7 @@ def _fwd_kernel(*refs, st: _Static, n_cap: int, lq: int, lkv: int, d: int, dv: i
         qk = _tiles.dot_nt(q, k, precision)
         kv_idx = kv_start + lax.broadcasted_iota(jnp.int32, (1, bkv), 1)
         # s: scores in units that `mult` turns into base-2 exponents (raw q.k when scale > 0).
-        if st.score_mod is None:
-            s = qk if st.scale > 0 else qk * (st.scale * LOG2E)
-        else:
-            s = st.score_mod(score_caps, qk * st.scale, b, h, q_idx, kv_idx)
+        s = _tiles.kernel_scores(qk, st.scale, st.score_mod, score_caps, b, h, q_idx, kv_idx)
         if kv_ragged:
             s = s + _tiles.kv_edge_bias(kv_start, bkv, lkv)
         if masked:
