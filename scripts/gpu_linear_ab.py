@@ -20,26 +20,17 @@ import time
 import jax
 import jax.numpy as jnp
 
-from flashlax import gated_delta_rule
 from flashlax.bench.suites import linear_inputs
-from flashlax.kernels.ssd import gated_delta_rule_ssd
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _gpu_common import T0, bench, log, rel  # noqa: E402
+from gpu_ssd import fwd_bwd, impl_fn  # noqa: E402
 
 # (B, H, T, dk=dv, dtype, with beta)
 SHAPES = [(2, 8, 8192, 64, "float32", True), (2, 8, 2048, 64, "float32", True), (2, 8, 512, 64, "float32", True),
           (2, 8, 8192, 64, "float32", False), (2, 16, 8192, 128, "bfloat16", True),
           (2, 8, 8192, 128, "float32", True), (2, 8, 2048, 128, "float32", True)]
 SMOKE = [(1, 2, 100, 32, "float32", True), (1, 2, 100, 32, "float32", False)]
-
-
-def impl_fn(impl, interpret):
-    if impl.startswith("ssd"):
-        bw = "xla" if impl == "ssd_xbwd" else "pallas"
-        return lambda q, k, v, la, beta: gated_delta_rule_ssd(q, k, v, la, beta, scale=q.shape[-1] ** -0.5,
-                                                              interpret=interpret, backward=bw)
-    return lambda q, k, v, la, beta: gated_delta_rule(q, k, v, la, beta, impl=impl)
 
 
 def main():
@@ -49,7 +40,7 @@ def main():
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
     rows, path = [], os.path.join(args.out, "linear_ab.json")
-    kw = dict(target_ms=1.0, reps=1, min_iters=1) if args.smoke else dict(target_ms=40.0, reps=5)
+    timing = dict(target_ms=1.0, reps=1, min_iters=1) if args.smoke else dict(target_ms=40.0, reps=5)
     for b, h, t, d, dtype, with_beta in (SMOKE if args.smoke else SHAPES):
         if time.perf_counter() - T0 > args.deadline:
             log("deadline: stop before", (b, h, t, d, dtype, with_beta))
@@ -59,15 +50,14 @@ def main():
         beta = beta if with_beta else None
         ref = None
         for impl in ("chunked", "ssd", "ssd_xbwd", "chunked_fat"):
-            fn = impl_fn(impl, args.smoke)
-            fwd = jax.jit(fn)
-            step = jax.jit(lambda q, k, v, la, beta, do, fn=fn: (lambda o, pb: (o, pb(do)))(
-                *jax.vjp(fn, q, k, v, la, beta)))
+            kw = dict(interpret=args.smoke, backward="xla" if impl == "ssd_xbwd" else "pallas")
+            fn = impl_fn("ssd", **kw) if impl.startswith("ssd") else impl_fn(impl)
+            fwd, step = jax.jit(fn), fwd_bwd(fn)
             row = dict(batch=b, heads=h, seq=t, dk=d, dtype=dtype, beta=with_beta, impl=impl)
             try:
                 if impl != "ssd_xbwd":            # its forward is ssd's
-                    row["fwd_ms"], _ = bench(fwd, q, k, v, la, beta, **kw)
-                row["fwd_bwd_ms"], row["compile_s"] = bench(step, q, k, v, la, beta, do, **kw)
+                    row["fwd_ms"], _ = bench(fwd, q, k, v, la, beta, **timing)
+                row["fwd_bwd_ms"], row["compile_s"] = bench(step, q, k, v, la, beta, do, **timing)
                 out, grads = step(q, k, v, la, beta, do)
                 flat = [out] + [g for g in grads if g is not None]
                 if ref is None:

@@ -65,7 +65,10 @@ def fwd_bwd(fn):
 
 
 def impl_fn(impl, chunk=64, **kw):
+    """impl through the front end, or "ssd" through the kernel entry with ``kw`` (the Pallas backward, which
+    this script measures, unless ``backward`` says otherwise)."""
     if impl == "ssd":
+        kw.setdefault("backward", "pallas")
         return lambda q, k, v, la, beta: ssd.gated_delta_rule_ssd(q, k, v, la, beta, scale=q.shape[-1] ** -0.5,
                                                                   chunk_size=chunk, **kw)
     return lambda q, k, v, la, beta: gated_delta_rule(q, k, v, la, beta, impl=impl, chunk_size=chunk)
