@@ -9,6 +9,7 @@ kernel at the benchmark's sizes (pytest -m gpu on the device machine).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -22,8 +23,9 @@ from conftest import TOLERANCES, on_gpu, rel_err
 from flashlax import masks, score_mods
 from flashlax.fallbacks.decode import decode_attention_xla
 from flashlax.kernels import configs
-from flashlax.kernels.configs import DECODE_CONFIGS, DecodeConfig, check_decode_config, decode_smem_bytes
-from flashlax.kernels.decode import choose_num_splits, decode_attention_pallas, merge_splits
+from flashlax.kernels.configs import (DECODE_CONFIGS, DecodeConfig, check_decode_config, decode_config,
+                                      decode_smem_bytes)
+from flashlax.kernels.decode import choose_num_splits, decode_attention_pallas, kernel_outputs, merge_splits
 from flashlax.reference import decode_reference
 
 KINDS = {"h200": "NVIDIA H200", "rtx3090": "NVIDIA GeForce RTX 3090", "default": "Some Future GPU"}
@@ -105,6 +107,39 @@ def test_matches_reference_and_xla(case):
     _check(out, lse, *_reference(q, k, v, lens), q.dtype)
     xla_out, xla_lse = _xla(q, k, v, lens, d ** -0.5, num_splits=splits)
     assert rel_err(np.asarray(out, np.float64), np.asarray(xla_out, np.float64)) <= TOLERANCES[dtype]
+
+
+MERGE_CASES = [
+    # (id, B, Hq, Hkv, Lq, Lmax, D, num_splits, block_rows): 16-key tiles so the cache has many of them
+    ("g8_lq2_13_splits", 2, 8, 1, 2, 200, 64, 40, 16),      # 13 splits in 4 merge steps, ragged lengths
+    ("g8_lq16_row_blocks", 1, 8, 1, 16, 100, 64, 5, 32),    # 4 row blocks, each its own counter; 4 splits
+    ("g3_lq5_d96", 2, 6, 2, 5, 77, 96, 3, 16),              # head dim padded 96 -> 128
+    ("g4_lq1_44_splits", 1, 4, 1, 1, 1400, 128, 80, 16),    # 4 rows (not padded to 16), 3 merge steps
+]
+
+
+@pytest.mark.parametrize("case", MERGE_CASES, ids=[c[0] for c in MERGE_CASES])
+def test_merge_in_kernel_and_xla_merge(case):
+    """The two merges of the splits (the last split of a group merging in the kernel, the default; a fused
+    XLA step) against the reference and each other: several merge steps, row blocks (each its own arrival
+    counter), splits past a sequence's end (partials with lse -inf), ragged kv_lens with NaN past them."""
+    name, batch, hq, hkv, lq, max_len, d, splits, block_rows = case
+    lens = [max_len, lq + 20][:batch]      # most of the second sequence's splits see nothing
+    q, k, v, lens = _inputs(sum(map(ord, name)), batch, hq, hkv, lq, max_len, d, kv_lens=lens)
+    base = decode_config(d, d, q.dtype, "cpu-interpret")
+    assert base.merge_in_kernel_kb > 0
+    results = {}
+    for fused in (True, False):
+        cfg = dataclasses.replace(base, merge_in_kernel_kb=base.merge_in_kernel_kb if fused else 0, block_kv=16,
+                                  block_rows=block_rows)
+        _, _, partials = kernel_outputs(q, k, v, lens, scale=0.1, num_splits=splits, config=cfg, interpret=True)
+        assert partials != fused       # the kernel merged (or left partials for the XLA merge)
+        if fused:                      # partials over the size limit: the XLA merge
+            small = dataclasses.replace(cfg, merge_in_kernel_kb=1)
+            assert kernel_outputs(q, k, v, lens, scale=0.1, num_splits=splits, config=small, interpret=True)[2]
+        results[fused] = _pallas(q, k, v, lens, num_splits=splits, config=cfg)
+        _check(*results[fused], *_reference(q, k, v, lens), q.dtype)
+    np.testing.assert_allclose(np.asarray(results[True][0]), np.asarray(results[False][0]), rtol=1e-5, atol=1e-6)
 
 
 def test_value_head_dim_and_scale():

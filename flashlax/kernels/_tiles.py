@@ -86,7 +86,9 @@ def row_mask(start, rows: int, n_rows: int):
     return (start + jnp.arange(rows, dtype=jnp.int32)) < n_rows
 
 
-def _tile_mask(start, rows: int, n_rows: int, cols: int, n_cols: int, aligned: bool):
+def tile_mask(start, rows: int, n_rows: int, cols: int, n_cols: int, aligned: bool):
+    """bool [rows, cols] mask of the cells of a tile from row ``start`` that lie inside [n_rows, n_cols]
+    (None when every cell does: ``aligned`` rows and no column padding)."""
     mask = None
     if not (aligned and n_rows % rows == 0):
         mask = jnp.broadcast_to(row_mask(start, rows, n_rows)[:, None], (rows, cols))
@@ -137,7 +139,7 @@ def load_tile(ref, start, rows: int, n_rows, cols: int, n_cols: int, aligned: bo
     ``n_rows`` may be traced (a per-sequence length; pass aligned=False). ``pages``: a paged K/V ref
     (:func:`kv_tile_view`).
     """
-    mask = _tile_mask(start, rows, n_rows, cols, n_cols, aligned)
+    mask = tile_mask(start, rows, n_rows, cols, n_cols, aligned)
     view = kv_tile_view(ref, start, rows, cols, pages)
     if mask is None:
         return plgpu.load(view)
@@ -147,7 +149,7 @@ def load_tile(ref, start, rows: int, n_rows, cols: int, n_cols: int, aligned: bo
 def store_tile(ref, start, val, n_rows: int, n_cols: int, aligned: bool = False):
     """Stores val [rows, cols] at row ``start`` of a [n_rows, >= n_cols] ref, skipping out-of-range cells."""
     rows, cols = val.shape
-    mask = _tile_mask(start, rows, n_rows, cols, n_cols, aligned)
+    mask = tile_mask(start, rows, n_rows, cols, n_cols, aligned)
     plgpu.store(ref.at[ds(start, rows), ds(0, cols)], val.astype(ref.dtype), mask=mask)
 
 

@@ -216,7 +216,11 @@ class DecodeConfig:
     cache, ``block_kv`` keys per loop step; Triton ``num_warps`` / ``num_stages``.
 
     num_splits=None picks the most splits whose programs all run at once, ``programs_per_sm`` per
-    multiprocessor (at least one split, each at least ``min_split_tiles`` tiles long). H200, D128 bf16
+    multiprocessor (at least one split, each at least ``min_split_tiles`` tiles long). Splits are merged in
+    the same launch (the last split of a group to finish merges its partials; an atomic counter per group)
+    when one program's float32 partials, all splits together, take at most ``merge_in_kernel_kb`` KB
+    (one program reads them back: a larger merge is faster spread over the chip by the fused XLA step;
+    0: always the XLA step). H200, D128 bf16
     (64-key tiles, 3 stages: about 100 KB of shared memory, two programs per SM): one wave of 256 programs
     was fastest at every measured shape (docs/PERF_NOTES.md).
     """
@@ -227,6 +231,7 @@ class DecodeConfig:
     block_rows: int = 64
     programs_per_sm: int = 2
     min_split_tiles: int = 4
+    merge_in_kernel_kb: int = 128
 
     def __post_init__(self):
         try:   # the tile fields obey the flash forward's rules (block_rows is its block_q)
@@ -237,6 +242,9 @@ class DecodeConfig:
             val = getattr(self, name)
             if not isinstance(val, int) or val < 1:
                 raise ValueError(f"DecodeConfig: {name} must be a positive int, got {val!r}")
+        if isinstance(self.merge_in_kernel_kb, bool) or not isinstance(self.merge_in_kernel_kb, int) \
+                or self.merge_in_kernel_kb < 0:
+            raise ValueError(f"DecodeConfig: merge_in_kernel_kb must be an int >= 0, got {self.merge_in_kernel_kb!r}")
 
 
 def _as_flash(config: DecodeConfig, rows: int) -> FlashConfig:

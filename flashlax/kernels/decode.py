@@ -14,9 +14,14 @@ kv_lens, so rows past it are never read and NaN there cannot leak; new token i s
 <= kv_lens - Lq + i). The rows read are clamped into [0, Lmax), so traced out-of-range values stay memory
 safe (the new tokens' positions use kv_lens as given).
 
-Each split writes a float32 partial output normalised by its own sum, and its log-sum-exp; the splits are
-merged in float32 by one fused XLA step (a split that saw nothing has lse -inf and weight 0). With one
-split the kernel writes the final output in q's dtype itself (one launch, no merge).
+Each split writes a float32 partial output normalised by its own sum, and its log-sum-exp. The splits are
+merged in float32 in the same launch when one program's partials are small (``DecodeConfig.merge_in_kernel_kb``,
+128 KB: Lq 1 to 4 at the decode shapes): each program bumps its group's arrival counter (an acquire-release
+atomic; the counters are a fresh zero buffer per call) and the one that arrives last reads the group's
+partials back from L2 in split order and writes the final output in q's dtype (deterministic: the same sums
+whichever program merges). Larger merges (Lq 16: 1 MB per group) run as one fused XLA step
+(:func:`merge_splits`), spread over the chip. A split that saw nothing has lse -inf and weight 0. With one split the
+kernel writes the final output itself.
 
 score_mod / mask_mod run in the kernel through ``_tiles.TileMod`` (scalar semantics, captured arrays passed
 as refs); q_idx is the new token's absolute position. A mod that TileMod cannot evaluate in a kernel
@@ -46,7 +51,7 @@ from flashlax.kernels import _tiles
 from flashlax.kernels._tiles import TileMod, pow2
 from flashlax.kernels.configs import (DecodeConfig, check_decode_config, decode_config, decode_shrink_to_fit,
                                       num_sms)
-from flashlax.parallel.vma import out_struct
+from flashlax.parallel.vma import match_vma, out_struct
 
 MIN_ROWS = 16  # the smallest Triton dot operand
 
@@ -73,6 +78,8 @@ class _Static:
     score_mod: TileMod | None
     mask_mod: TileMod | None
     interpret: bool
+    merge_in_kernel: bool = False   # splits > 1 merged by the last split of each group (merge_rows rows)
+    merge_rows: int = 0
     page_size: int = 0        # > 0: paged K/V (num_pages, max_pages below)
     num_pages: int = 0
     max_pages: int = 0
@@ -108,8 +115,13 @@ def _decode_kernel(kv_lens_ref, *refs, st: _Static, n_score_cap: int, groups: in
         pages = _tiles.Pages(refs[0], st.page_size, st.num_pages, st.max_pages)
         refs = refs[1:]
     q_ref, k_ref, v_ref, *refs = refs
-    n_cap = len(refs) - 2
-    cap_refs, (o_ref, lse_ref) = refs[:n_cap], refs[n_cap:]
+    fused = st.merge_in_kernel
+    if fused:   # inputs ..., captured, counter (aliased to the last output); outputs out, lse, partials, counter
+        *refs, _, o_ref, lse_ref, o_part_ref, lse_part_ref, count_ref = refs
+        cap_refs = refs
+    else:
+        n_cap = len(refs) - 2
+        cap_refs, (o_ref, lse_ref) = refs[:n_cap], refs[n_cap:]
     score_caps, mask_caps = cap_refs[:n_score_cap], cap_refs[n_score_cap:]
     cfg = st.config
     bk, br = cfg.block_kv, st.block_rows
@@ -167,8 +179,62 @@ def _decode_kernel(kv_lens_ref, *refs, st: _Static, n_score_cap: int, groups: in
 
     m, l, acc = carry
     out, lse = _tiles.softmax_finalize(acc, m, l, mult)
-    _tiles.store_tile(o_ref, row0, out, rows, dv)     # q's dtype with one split, else float32 partials
-    _tiles.store_vec(lse_ref, row0, lse, rows)
+    if not fused:
+        _tiles.store_tile(o_ref, row0, out, rows, dv)     # q's dtype with one split, else float32 partials
+        _tiles.store_vec(lse_ref, row0, lse, rows)
+        return
+    # One index expression per store (the interpreter mishandles a store through two chained .at views).
+    plgpu.store(o_part_ref.at[split, pl.ds(row0, br), pl.ds(0, dvp)], out,
+                mask=_tiles.tile_mask(row0, br, rows, dvp, dv, False))
+    plgpu.store(lse_part_ref.at[split, pl.ds(row0, br)], lse, mask=_tiles.row_mask(row0, br, rows))
+    # Every thread's partial stores, then one acquire-release increment of the group's counter (GPU scope):
+    # the program that sees splits - 1 arrived last, every other split's partials are visible to it, and it
+    # merges them in split order (the same sums whichever program it is: deterministic).
+    if not st.interpret:
+        plgpu.debug_barrier()
+    arrived = plgpu.atomic_add(count_ref, split * 0, jnp.int32(1))   # a traced index: the interpreter's rule needs one
+
+    @pl.when(arrived == st.splits - 1)
+    def _merge():
+        _merge_partials(o_part_ref, lse_part_ref, o_ref, lse_ref, row0, st.splits, st.merge_rows, rows, dvp, dv)
+
+
+def _merge_chunk(splits: int, merge_rows: int, dvp: int) -> int:
+    """Splits per step of the in-kernel merge: [sc, merge_rows, dvp] float32, about 64 registers per thread
+    at 4 warps."""
+    return min(pow2(splits), max(1, 8192 // (merge_rows * dvp)))
+
+
+def _merge_partials(o_part_ref, lse_part_ref, o_ref, lse_ref, row0, splits: int, rp: int, rows: int,
+                    dvp: int, dv: int):
+    """The log-sum-exp merge of :func:`merge_splits` inside the kernel, for the ``rp`` rows from row0 of one
+    group (rp: the rows of the program's block, a power of two, not padded to 16: no dot here). The splits
+    in chunks of ``sc`` ([sc, rp, dvp] float32 partials, read back from L2, which holds them), unrolled so
+    every chunk's loads are in flight together, in split order with an online max. Rows no split saw give
+    0 and lse -inf. Plain loads: this program never read these addresses before, so its L1 holds no stale
+    copy, and they come after the counter's acquire."""
+    sc = _merge_chunk(splits, rp, dvp)
+    row_ok = (row0 + lax.broadcasted_iota(jnp.int32, (1, rp), 1)) < rows
+    col_ok = lax.broadcasted_iota(jnp.int32, (1, 1, dvp), 2) < dv
+    m = jnp.full((rp,), -jnp.inf, jnp.float32)
+    tot = jnp.zeros((rp,), jnp.float32)
+    acc = jnp.zeros((rp, dvp), jnp.float32)
+    for s0 in range(0, splits, sc):
+        ok = ((s0 + lax.broadcasted_iota(jnp.int32, (sc, 1), 0)) < splits) & row_ok      # [sc, rp]
+        lse = plgpu.load(lse_part_ref.at[pl.ds(s0, sc), pl.ds(row0, rp)], mask=ok, other=-jnp.inf)
+        part = plgpu.load(o_part_ref.at[pl.ds(s0, sc), pl.ds(row0, rp), pl.ds(0, dvp)],
+                          mask=ok[:, :, None] & col_ok, other=0.0)
+        m_new = jnp.maximum(m, jnp.max(lse, axis=0))                 # [rp]
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)            # nothing seen yet: exp(-inf - 0) = 0
+        alpha = jnp.exp(m - m_safe)
+        w = jnp.exp(lse - m_safe[None, :])                           # [sc, rp]
+        tot = tot * alpha + jnp.sum(w, axis=0)
+        acc = acc * alpha[:, None] + jnp.sum(part * w[:, :, None], axis=0)
+        m = m_new
+    seen = tot > 0
+    tot_safe = jnp.where(seen, tot, 1.0)
+    _tiles.store_tile(o_ref, row0, acc / tot_safe[:, None], rows, dv)
+    _tiles.store_vec(lse_ref, row0, jnp.where(seen, jnp.log(tot_safe) + m, -jnp.inf), rows)
 
 
 def _decode_call(st: _Static, q, k_cache, v_cache, kv_lens, captured, n_score_cap: int, block_table=None):
@@ -185,6 +251,7 @@ def _decode_call(st: _Static, q, k_cache, v_cache, kv_lens, captured, n_score_ca
     dp, dvp = _padded(d), _padded(dv)
     nr, splits = st.row_blocks, st.splits
     final = splits == 1
+    fused = st.merge_in_kernel
     kv_head = (lambda g: g) if nr == 1 else (lambda g: g // nr)
     q_rows = q.reshape(batch, kv_heads, rows, d)          # row g * Lq + i: head hkv * G + g, token i
 
@@ -200,28 +267,46 @@ def _decode_call(st: _Static, q, k_cache, v_cache, kv_lens, captured, n_score_ca
     in_specs += [pl.BlockSpec((None, None, rows, dp), lambda s, g, b: (b, kv_head(g), 0, 0)),
                  cache_spec(dp), cache_spec(dvp)] + _tiles.captured_specs(captured)
     operands = (kv_lens, *paging, q_rows, k_cache, v_cache, *captured)
-    if final:
+    aliases = {}
+    if final or fused:
         out_specs = [pl.BlockSpec((None, None, rows, dvp), lambda s, g, b: (b, kv_head(g), 0, 0)),
                      pl.BlockSpec((None, None, rows), lambda s, g, b: (b, kv_head(g), 0))]
         out_shape = [out_struct((batch, kv_heads, rows, dv), q.dtype, *operands),
                      out_struct((batch, kv_heads, rows), jnp.float32, *operands)]
-    else:
+    if fused:   # every split's partials visible to the program that merges: blocks over all splits (the
+        # split axis padded to whole merge steps; the padding is never written and never read)
+        sc = _merge_chunk(splits, st.merge_rows, dvp)
+        sp = _cdiv(splits, sc) * sc
+        out_specs += [pl.BlockSpec((None, None, sp, rows, dvp), lambda s, g, b: (b, kv_head(g), 0, 0, 0)),
+                      pl.BlockSpec((None, None, sp, rows), lambda s, g, b: (b, kv_head(g), 0, 0)),
+                      pl.BlockSpec((None, 1), lambda s, g, b: (b, g))]
+        out_shape += [out_struct((batch, kv_heads, sp, rows, dv), jnp.float32, *operands),
+                      out_struct((batch, kv_heads, sp, rows), jnp.float32, *operands),
+                      out_struct((batch, kv_heads * nr), jnp.int32, *operands)]
+        # The arrival counters, one per (sequence, group, row block), zeros in a fresh buffer per call.
+        counter = match_vma(jnp.zeros((batch, kv_heads * nr), jnp.int32), *operands)
+        in_specs.append(pl.BlockSpec((None, 1), lambda s, g, b: (b, g)))
+        aliases = {len(operands): 4}
+        operands = (*operands, counter)
+    elif not final:
         out_specs = [pl.BlockSpec((None, None, None, rows, dvp), lambda s, g, b: (b, kv_head(g), s, 0, 0)),
                      pl.BlockSpec((None, None, None, rows), lambda s, g, b: (b, kv_head(g), s, 0))]
         out_shape = [out_struct((batch, kv_heads, splits, rows, dv), jnp.float32, *operands),
                      out_struct((batch, kv_heads, splits, rows), jnp.float32, *operands)]
     kernel = functools.partial(_decode_kernel, st=st, n_score_cap=n_score_cap, groups=groups, q_len=q_len,
                                q_heads=q_heads, max_len=max_len, d=d, dv=dv)
-    return pl.pallas_call(
+    results = pl.pallas_call(
         kernel,
         grid=(splits, kv_heads * nr, batch),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
+        input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=st.config.num_warps, num_stages=st.config.num_stages),
         interpret=st.interpret,
         name="decode_attention",
     )(*operands)
+    return results[:2]
 
 
 def merge_splits(out_parts, lse_parts):
@@ -313,10 +398,10 @@ def decode_attention_pallas(q, k_cache, v_cache, *, kv_lens=None, block_table=No
         return decode_attention_xla(q, k_cache, v_cache, kv_lens=kv_lens, scale=scale, num_splits=num_splits,
                                     score_mod=score_mod, mask_mod=mask_mod, return_lse=return_lse)
     score_tm, mask_tm = tile_mods
-    out, lse, splits = kernel_outputs(q, k_cache, v_cache, kv_lens, scale=scale, num_splits=num_splits,
-                                      score_tm=score_tm, mask_tm=mask_tm, interpret=interpret, config=config,
-                                      device_kind=device_kind, block_table=block_table)
-    if splits > 1:
+    out, lse, partials = kernel_outputs(q, k_cache, v_cache, kv_lens, scale=scale, num_splits=num_splits,
+                                        score_tm=score_tm, mask_tm=mask_tm, interpret=interpret, config=config,
+                                        device_kind=device_kind, block_table=block_table)
+    if partials:
         out, lse = merge_splits(out, lse)
     out = out.astype(q.dtype).reshape(batch, q_heads, q_len, dv)
     if not return_lse:
@@ -328,8 +413,9 @@ def kernel_outputs(q, k_cache, v_cache, kv_lens, *, scale: float, num_splits, sc
                    mask_tm: TileMod | None = None, interpret: bool = False, config: DecodeConfig | None = None,
                    device_kind: str | None = None, block_table=None):
     """The kernel's launch for validated inputs (kv_lens int32 [B], scale a float, mods as TileMods,
-    block_table None or int32 [B, max_pages] with paged caches): ``(out, lse, splits)``, with out
-    [B, Hkv, G * Lq, Dv] in q's dtype and lse [B, Hkv, G * Lq] when splits == 1, else the float32 partials
+    block_table None or int32 [B, max_pages] with paged caches): ``(out, lse, partials)``, with out
+    [B, Hkv, G * Lq, Dv] in q's dtype and lse [B, Hkv, G * Lq] when ``partials`` is False (one split, or the
+    splits merged in the kernel: ``config.merge_in_kernel_kb``), else the float32 partials
     [B, Hkv, splits, G * Lq, Dv] and [B, Hkv, splits, G * Lq] for :func:`merge_splits`. Picks and checks the
     config and the split count."""
     batch, q_heads, q_len, d = q.shape
@@ -365,10 +451,14 @@ def kernel_outputs(q, k_cache, v_cache, kv_lens, *, scale: float, num_splits, sc
     # Splits beyond one per tile would be empty: the same result with fewer programs.
     tiles_per_split = _cdiv(tiles, min(num_splits, tiles))
     splits = _cdiv(tiles, tiles_per_split)
+    # The last split of a group merges its partials in the kernel when they are small enough for one program
+    # to read back quickly (H200: docs/PERF_NOTES.md, decode "merge"); else the fused XLA merge_splits.
+    merge_rows = min(block_rows, pow2(rows))
+    fused = splits > 1 and splits * merge_rows * _padded(dv) * 4 <= cfg.merge_in_kernel_kb * 1024
     st = _Static(config=cfg, block_rows=block_rows, row_blocks=row_blocks, splits=splits,
                  tiles_per_split=tiles_per_split, scale=scale, score_mod=score_tm, mask_mod=mask_tm,
-                 interpret=bool(interpret), **paging)
+                 interpret=bool(interpret), merge_in_kernel=fused, merge_rows=merge_rows, **paging)
     captured = tuple(jnp.asarray(c) for tm in (score_tm, mask_tm) if tm is not None for c in tm.captured)
     n_score_cap = score_tm.num_captured if score_tm is not None else 0
     out, lse = _decode_call(st, q, k_cache, v_cache, kv_lens, captured, n_score_cap, block_table)
-    return out, lse, splits
+    return out, lse, splits > 1 and not fused
