@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: the gpu-marked tests and the benchmark suites on the GPU, in the order given as arguments
 # (default: tests decode linear quick; also: prefill4k, prefill16k, dims, paged, shardmap, decode_diag, linear_ab), each step time-boxed
-# (T_<STEP> seconds), every log and JSON written under $OUT as it goes, so a cut-off run keeps what finished.
+# (T_<STEP> seconds; TEST_K: a pytest -k filter for the tests step), every log and JSON written under $OUT as it goes, so a cut-off run keeps what finished.
 set -u
 export PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -12,7 +12,7 @@ steps=${*:-tests decode linear quick}
 for s in $steps; do
   case $s in
     # compiles dominate: 8 pytest workers share the GPU and the host's cores
-    tests) step "${T_TESTS:-190}" gpu_tests python3 -m pytest -m gpu -q -n "${TEST_WORKERS:-8}" -p no:cacheprovider tests ;;
+    tests) step "${T_TESTS:-190}" gpu_tests python3 -m pytest -m gpu -q -n "${TEST_WORKERS:-8}" -p no:cacheprovider ${TEST_K:+-k "$TEST_K"} tests ;;
     prefill|prefill4k|prefill16k)  # one process per shape, so a time-out keeps the shapes that finished
       for shape in "2 4096" "1 16384"; do
         set -- $shape
@@ -36,7 +36,7 @@ for s in $steps; do
     shardmap) step "${T_SHARDMAP:-120}" shardmap python3 scripts/gpu_shardmap.py "$OUT/shardmap.json" ;;
     decode_diag) step "${T_DECODE_DIAG:-90}" decode_diag python3 scripts/gpu_decode_diag.py --out "$OUT/decode_diag.json" ;;
     linear_ab) step "${T_LINEAR_AB:-240}" linear_ab python3 scripts/gpu_linear_ab.py --out "$OUT" \
-                 --deadline "${LINEAR_AB_DEADLINE:-200}" ;;
+                 --deadline "${LINEAR_AB_DEADLINE:-200}" --first "${LINEAR_AB_FIRST:-0}" ;;
     paged) step "${T_PAGED:-100}" paged python3 scripts/gpu_paged.py --out "$OUT/paged.json" ;;
   esac
 done
