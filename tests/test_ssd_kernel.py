@@ -124,13 +124,15 @@ def test_extreme_decays(case):
 
 @pytest.mark.parametrize("with_beta, x64", [(True, False), (False, False), (True, True)])
 def test_front_end_default(with_beta, x64):
-    """impl="ssd" through gated_delta_rule: backward "auto" is the chunked XLA backward with beta and the
-    Pallas backward without (the faster on the H200); both against the float64 recurrence, the XLA
-    backward also with jax_enable_x64 on. The first CASES' shapes."""
+    """impl="ssd" through gated_delta_rule: backward "auto" is the chunked XLA backward for float32 with beta
+    and the Pallas backward without beta or in bf16 (the faster on the H200); both against the float64
+    recurrence, the XLA backward also with jax_enable_x64 on. The first CASES' shapes."""
     inputs = make_inputs(77, 1, 2, 77, 8, 24, with_beta=with_beta, with_state=with_beta)
-    st = ssd_module.make_static(inputs["q"], inputs["k"], inputs["v"], inputs.get("beta"), scale=1.0,
-                                chunk_size=32, interpret=True, config=None, device_kind=None)
-    assert st.backward == ("xla" if with_beta else "pallas")
+    static = lambda dtype: ssd_module.make_static(  # noqa: E731
+        *(inputs[n].astype(dtype) for n in "qkv"), inputs.get("beta"), scale=1.0, chunk_size=32,
+        interpret=True, config=None, device_kind=None)
+    assert static(jnp.float32).backward == ("xla" if with_beta else "pallas")
+    assert static(jnp.bfloat16).backward == "pallas"
     front = functools.partial(gated_delta_rule, impl="ssd", chunk_size=32, interpret=INTERPRET)
     with jax.enable_x64(x64):
         errs = errors(front, inputs, seed=77)

@@ -1,6 +1,7 @@
 """gated_delta_rule on the GPU, impl "ssd": Pallas kernels (Triton lowering), forward; the Pallas backward is in
 :mod:`flashlax.kernels.ssd_bwd`. ``backward="auto"`` (the default) takes the faster backward on the H200: the
-Pallas kernels without beta, the chunked XLA path's backward with beta (both on the same residuals, the inputs).
+chunked XLA path's backward for float32 with beta, the Pallas kernels otherwise (without beta, and bf16 / fp16
+with beta); both on the same residuals, the inputs.
 
 The chunked algorithm of ``flashlax/fallbacks/linear.py`` (see its docstring for the algebra) split into
 kernels by parallelism. Per chunk of C tokens with state ``S`` at its start::
@@ -258,8 +259,8 @@ def make_static(q, k, v, beta, *, scale: float, chunk_size: int, interpret: bool
     check_ssd_config(cfg, dk, dv, chunk, q.dtype, kind)
     if backward not in ("auto", "pallas", "xla"):
         raise ValueError(f"gated_delta_rule_ssd: backward must be 'auto', 'pallas' or 'xla', got {backward!r}")
-    if backward == "auto":      # the faster one on the H200 (docs/PERF_NOTES.md, session 8)
-        backward = "xla" if beta is not None else "pallas"
+    if backward == "auto":      # the faster one on the H200 (docs/PERF_NOTES.md, sessions 8 and 9)
+        backward = "xla" if beta is not None and q.dtype == jnp.float32 else "pallas"
     return Static(backward=backward, config=cfg, scale=float(scale), chunk=chunk, seq_len=seq_len, dk=dk, dv=dv,
                   has_beta=beta is not None, dtype=jnp.dtype(q.dtype), interpret=bool(interpret))
 
@@ -278,7 +279,7 @@ def gated_delta_rule_ssd(q, k, v, log_alpha, beta=None, *, scale: float, initial
     residuals are the inputs). ``config``: an SSDConfig (default: :func:`ssd_config` for the device kind);
     a chunk_size above its ``max_chunk`` runs at ``max_chunk`` (the same function). ``backward``: "pallas"
     (the Pallas backward kernels), "xla" (the backward of the chunked XLA path on the same residuals, the
-    inputs) or "auto" (the faster on the H200: "xla" with beta, "pallas" without; docs/PERF_NOTES.md).
+    inputs) or "auto" (the faster on the H200: "xla" for float32 with beta, else "pallas"; docs/PERF_NOTES.md).
     """
     st = make_static(q, k, v, beta, scale=scale, chunk_size=chunk_size, interpret=interpret, config=config,
                      device_kind=device_kind, backward=backward)
