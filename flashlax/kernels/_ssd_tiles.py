@@ -58,6 +58,9 @@ class Static:
 
     @property
     def transition(self) -> bool:
+        """Whether the sequential passes run in the transition form (``SSDConfig.transition``)."""
+        if self.config.transition == "without_beta":
+            return not self.has_beta
         return self.config.transition
 
     @property
@@ -142,11 +145,11 @@ def store_vec(ref, row0, val, st: Static):
 def dot(a, b, st: Static, ta: bool = False, tb: bool = False):
     """a @ b (a^T with ta, b^T with tb) -> float32; b is cast to a's dtype (Triton needs one element type).
     float32 operands: IEEE float32 for 16 x 16 x 16 products (the UT transform's and the in-block segment
-    sums' algebra: cheap either way, and three tensor-core passes would triple their code), otherwise
-    st.f32_precision (the config's f32_dot)."""
+    sums' algebra: three tensor-core passes would triple their code) unless the config's small_f32_dot,
+    otherwise st.f32_precision (the config's f32_dot)."""
     if a.dtype != b.dtype:
         b = b.astype(a.dtype)
-    small = max(a.shape + b.shape) <= UT_BLOCK
+    small = max(a.shape + b.shape) <= UT_BLOCK and not st.config.small_f32_dot
     precision = (lax.Precision.HIGHEST if small else st.f32_precision) if a.dtype == F32 else None
     dims = (((0,) if ta else (1,), (1,) if tb else (0,)), ((), ()))
     return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=F32)
@@ -160,6 +163,14 @@ def mm(x, st: Static):
 # ----------------------------------------------------------------------------------------------------
 # Decays of one chunk, by sub-blocks
 # ----------------------------------------------------------------------------------------------------
+
+def sum_all(x):
+    """Sum of every element of a tile, one axis at a time: Pallas' Triton lowering of a reduction over two
+    axes breaks inside a mesh with Explicit axes (it keeps the 2-D sharding on the 1-D step; jax 0.11.2)."""
+    while x.ndim > 1:
+        x = jnp.sum(x, axis=-1)
+    return jnp.sum(x)
+
 
 def add_all(terms):
     out = 0.0
@@ -230,8 +241,8 @@ class Decays:
                 continue
             d_c[i] = d_c[i] + jnp.sum(g, axis=1)
             d_suf[j] = d_suf[j] + jnp.sum(g, axis=0)
-            if i - j > 1:
-                total = jnp.sum(g)
+            if i - j > 1:     # one axis at a time (see sum_all)
+                total = sum_all(g)
                 for m in range(j + 1, i):
                     d_tot[m] = d_tot[m] + total
         for i in range(nb):

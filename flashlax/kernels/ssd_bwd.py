@@ -33,7 +33,7 @@ from flashlax.kernels import ssd
 from flashlax.kernels._ssd_tiles import (F32, UT_BLOCK, Decays, Static, add_all, call, chunk_delta, chunk_rows,
                                          chunk_vectors, col_bound, dot, load, load_square, load_vec, mat_spec, mm,
                                          named, p_blocks, per_chunk_arg, per_chunk_out, seq_arg, seq_out,
-                                         sequential_program, state_block, store, store_state, store_vec,
+                                         sequential_program, state_block, store, store_state, store_vec, sum_all,
                                          ut_blocks, vec_out, vec_spec)
 
 
@@ -123,7 +123,7 @@ def _dqk_kernel(*refs, names, st: Static):
     for c0 in range(0, st.dvp, bv):
         h = load_square(r["h"], h_row, c0, st, bv)
         dh = load_square(r["dh"], h_row, c0, st, bv)
-        d_decay = d_decay + jnp.sum(h.astype(F32) * dh)
+        d_decay = d_decay + sum_all(h.astype(F32) * dh)
         h, dh = mm(h, st), mm(dh, st)
         do = [load(r["do"], row, sb, c0, bv, st, vcols) for row in rows]
         d = chunk_delta(r, rows, sb, c0, bv, h, w, st)
