@@ -180,7 +180,9 @@ KERNEL_VARIANTS = {
     "dout": {"b16 w4": dict(block=16), "b32 w4": dict(block=32), "b64 w4": dict(block=64)},
     "dqk": {"b16 w4": dict(block=16, num_warps=4), "b32 w4": dict(block=32, num_warps=4),
             "b16 w8": dict(block=16, num_warps=8), "b32 w8": dict(block=32, num_warps=8)},
-    "wy": {"w4": dict(num_warps=4), "w8": dict(num_warps=8), "w4 tf32x3": dict(num_warps=4, f32_dot="tf32x3")},
+    "wy": {"w4": dict(num_warps=4), "w8": dict(num_warps=8), "w4 tf32x3": dict(num_warps=4, f32_dot="tf32x3"),
+           "w4 small tf32x3": dict(num_warps=4, f32_dot="tf32x3", small_f32_dot=True),
+           "w8 small tf32x3": dict(num_warps=8, f32_dot="tf32x3", small_f32_dot=True)},
 }
 
 
@@ -192,8 +194,8 @@ def time_kernels(label, shape, dtype, with_beta, interpret, variants=(), deadlin
     base = ssd.make_static(q, k, v, beta, scale=d ** -0.5, chunk_size=64, interpret=interpret, config=None,
                            device_kind=None)
     forms = {"shipped": base,
-             f"transition={not base.config.transition}": dataclasses.replace(
-                 base, config=dataclasses.replace(base.config, transition=not base.config.transition))}
+             f"transition={not base.transition}": dataclasses.replace(
+                 base, config=dataclasses.replace(base.config, transition=not base.transition))}
     all_args = {}
     for form, st in forms.items():
         all_args[form] = guarded(f"kernels {label} {form}", kernel_args, st, q, k, v, la, beta, do) or {}
@@ -223,15 +225,16 @@ def time_kernels(label, shape, dtype, with_beta, interpret, variants=(), deadlin
 # 3. end to end
 # ----------------------------------------------------------------------------------------------------
 
-def ssd_variant(label, dims, dtype, interpret):
+def ssd_variant(label, dims, dtype, interpret, with_beta=True):
     """Keyword arguments of gated_delta_rule_ssd for an end-to-end label: "ssd" (shipped config), "ssd/alt"
-    (shipped with ``transition`` flipped), "+tf32x3" suffix (f32_dot="tf32x3")."""
+    (shipped with the form of the sequential passes flipped), "+tf32x3" suffix (f32_dot="tf32x3")."""
     cfg = ssd_config(dims, dims, dtype) if not interpret else None
     if cfg is None:
         from flashlax.kernels.configs import SSDConfig
         cfg = SSDConfig()
     if "/alt" in label:
-        cfg = dataclasses.replace(cfg, transition=not cfg.transition)
+        form = (not with_beta) if cfg.transition == "without_beta" else cfg.transition
+        cfg = dataclasses.replace(cfg, transition=not form)
     if "tf32x3" in label:
         cfg = dataclasses.replace(cfg, f32_dot="tf32x3")
     return dict(interpret=interpret, config=cfg)
@@ -245,7 +248,7 @@ def time_end_to_end(label, shape, dtype, with_beta, modes, impls, interpret):
     for mode in modes:
         results = {}
         for impl in impls:
-            fn = impl_fn("ssd", **ssd_variant(impl, d, dtype, interpret)) if impl.startswith("ssd") else impl_fn(impl)
+            fn = impl_fn("ssd", **ssd_variant(impl, d, dtype, interpret, with_beta)) if impl.startswith("ssd") else impl_fn(impl)
             run = jax.jit(fn) if mode == "fwd" else fwd_bwd(fn)
             args = (q, k, v, la, beta) if mode == "fwd" else (q, k, v, la, beta, do)
             res = guarded(f"{label} {impl} {mode}", lambda: timed(run, *args))
@@ -308,6 +311,8 @@ def main():
         tf = dataclasses.replace(ssd_config(64, 64, jnp.float32), f32_dot="tf32x3") if not interp else None
         check_reference(small, {"shipped": {}}, interp, with_betas=(True, False))
         check_reference(small, {"tf32x3": dict(config=tf)}, interp, with_betas=(True,))
+        small_tf = dataclasses.replace(tf, small_f32_dot=True) if not interp else None
+        check_reference(small, {"tf32x3 incl. 16x16": dict(config=small_tf)}, interp, with_betas=(True,))
         save(args.out)
     if "e2e" in steps:            # everything end to end (first call)
         for with_beta in (True, False):

@@ -104,6 +104,21 @@ def test_transition_form(with_beta):
     assert_close(errors(ssd(32, scale=8 ** -0.5, config=cfg), inputs, seed=9), TOLERANCES["float32"])
 
 
+def test_transition_without_beta_selects_the_form():
+    """transition="without_beta" (the H200 float32 dk 64 entry): the transition form without beta, the
+    two-product form with beta; that entry (64-row sub-blocks) against the float64 recurrence both ways."""
+    cfg = ssd_config(64, 64, jnp.float32, "NVIDIA H200")
+    assert cfg.transition == "without_beta"
+    for with_beta, form in ((True, False), (False, True)):
+        inputs = make_inputs(19, 1, 2, 90, 16, 16, with_beta=with_beta)
+        st = ssd_module.make_static(inputs["q"], inputs["k"], inputs["v"], inputs.get("beta"), scale=1.0,
+                                    chunk_size=64, interpret=True, config=cfg, device_kind="NVIDIA H200")
+        assert st.transition is form
+        assert_close(errors(ssd(64, config=cfg), inputs, seed=19), TOLERANCES["float32"])
+    with pytest.raises(ValueError, match="transition"):
+        SSDConfig(transition="sometimes")
+
+
 @pytest.mark.parametrize("case", ["log_alpha=-1e4", "log_alpha=0", "resets"])
 def test_extreme_decays(case):
     """-1e4 everywhere (every step forgets), 0 everywhere (no decay: exp(0) = 1, no 0 * inf), and -1e4 resets
@@ -227,8 +242,35 @@ def test_config_validation():
         SSDConfig(block=24)
     with pytest.raises(ValueError, match="f32_dot"):
         SSDConfig(f32_dot="tf32")
+    with pytest.raises(ValueError, match="small_f32_dot"):
+        SSDConfig(small_f32_dot="yes")
     with pytest.raises(ValueError, match="256"):
         ssd_config(512, 64, jnp.float32, "NVIDIA H200")
+
+
+def test_small_f32_dot_lowers_and_matches():
+    """small_f32_dot (the UT transform's 16 x 16 x 16 float32 products through f32_dot as well, a candidate
+    for the float32 backward): forward and backward go through the Pallas Triton lowering for an abstract
+    H200 with tf32x3 on every product, inside a mesh with Explicit axes (where a reduction over two axes
+    in a kernel failed to lower: the kernels reduce one axis at a time), and the interpreter (full float32
+    products) still matches the float64 recurrence, outputs and every gradient."""
+    cfg = dataclasses.replace(ssd_config(64, 64, jnp.float32, "NVIDIA H200"), small_f32_dot=True)
+    inputs = make_inputs(21, 1, 2, 70, 16, 16)
+    assert_close(errors(ssd(32, config=dataclasses.replace(cfg, f32_dot="ieee")), inputs, seed=21),
+                 TOLERANCES["float32"])
+    abstract = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="gpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=abstract)   # Explicit axes
+
+    def loss(q, k, v, la, beta):
+        return jnp.sum(gated_delta_rule_ssd(q, k, v, la, beta, scale=0.125, config=cfg, device_kind="NVIDIA H200",
+                                            backward="pallas"))
+
+    x = jax.ShapeDtypeStruct((1, 2, 256, 64), jnp.float32)
+    g = jax.ShapeDtypeStruct((1, 2, 256), jnp.float32)
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).trace(x, x, x, g, g).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call") >= 5
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -343,11 +343,14 @@ class SSDConfig:
     chunks with the float32 state in registers) run ``state_warps`` warps and ``state_stages`` pipeline
     stages. ``max_chunk`` caps the chunk size (a larger requested chunk_size runs at this one: the result is
     the same function). ``f32_dot``: "ieee" (float32 FMA, full precision) or "tf32x3" (three tf32
-    tensor-core products, about float32 accuracy); 16-bit inputs use the tensor cores natively.
+    tensor-core products, about float32 accuracy); 16-bit inputs use the tensor cores natively. The
+    float32 16 x 16 x 16 products of the UT transform's algebra run IEEE unless ``small_f32_dot`` (then
+    ``f32_dot`` too: a candidate for the float32 ``wy`` backward kernel, docs/PERF_NOTES.md session 9).
     ``transition``: the sequential passes step ``S <- M_n S + H_n`` with ``M_n = g I - k_dec^T w_n`` and
     ``H_n = k_dec^T u_n`` formed per chunk in parallel beforehand (one [dk, dk] x [dk, bv] product per step
     instead of two [C, dk]-sized ones; without beta no product at all), instead of ``D = u - w S``,
-    ``S <- g S + k_dec^T D``. Fewer sequential FLOPs when dk < 2 C.
+    ``S <- g S + k_dec^T D``. Fewer sequential FLOPs when dk < 2 C. ``transition="without_beta"``: the
+    transition form without beta only (with beta the two-product form).
     """
 
     block: int = 16
@@ -358,7 +361,8 @@ class SSDConfig:
     state_stages: int = 2
     max_chunk: int = 128
     f32_dot: str = "ieee"
-    transition: bool = False
+    transition: bool | str = False
+    small_f32_dot: bool = False
 
     def __post_init__(self):
         for name in ("block", "block_v", "state_block_v", "max_chunk"):
@@ -372,6 +376,10 @@ class SSDConfig:
             raise ValueError(f"SSDConfig: state_stages must be a positive int, got {self.state_stages!r}")
         if self.f32_dot not in ("ieee", "tf32x3"):
             raise ValueError(f"SSDConfig: f32_dot must be 'ieee' or 'tf32x3', got {self.f32_dot!r}")
+        if not isinstance(self.small_f32_dot, bool):
+            raise ValueError(f"SSDConfig: small_f32_dot must be a bool, got {self.small_f32_dot!r}")
+        if not (isinstance(self.transition, bool) or self.transition == "without_beta"):
+            raise ValueError(f"SSDConfig: transition must be a bool or 'without_beta', got {self.transition!r}")
 
 
 def ssd_smem_bytes(config: SSDConfig, head_dim_k: int, head_dim_v: int, chunk: int, dtype) -> int:
@@ -404,9 +412,12 @@ SSD_CONFIGS: dict[str, dict[tuple[int, str], SSDConfig]] = {
     # in the output and gradient kernels: four large products instead of about 28 small ones.
     "h200": {
         # dk <= 64: the transition form (M_n is [dk, dk] per chunk; at 128 and above it would be 2-4x the
-        # bytes of k and its sequential product as long as the two-dot form's)
+        # bytes of k and its sequential product as long as the two-dot form's). float32 with beta: the
+        # two-product form, whose forward is faster (1.06 vs 1.19 ms at B2 H8 T8192; per kernel, session 9:
+        # precompute 0.232 + state 0.581 + out 0.247 vs 0.662 + 0.277 + 0.253) and backward kernels the same
+        # (7.27 vs 7.22 ms); without beta the transition form (no product in the sequential chain, 0.385 ms).
         (64, "32"): SSDConfig(block=64, block_v=64, state_block_v=16, state_stages=2, f32_dot="tf32x3",
-                              transition=True),
+                              transition="without_beta"),
         (128, "32"): SSDConfig(block=64, block_v=64, num_warps=8, state_block_v=16, state_stages=2,
                                f32_dot="tf32x3"),
         (256, "32"): SSDConfig(block=16, block_v=32, num_warps=8, state_block_v=16, state_warps=8,
