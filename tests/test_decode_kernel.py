@@ -140,6 +140,12 @@ def test_merge_in_kernel_and_xla_merge(case):
         results[fused] = _pallas(q, k, v, lens, num_splits=splits, config=cfg)
         _check(*results[fused], *_reference(q, k, v, lens), q.dtype)
     np.testing.assert_allclose(np.asarray(results[True][0]), np.asarray(results[False][0]), rtol=1e-5, atol=1e-6)
+    if name == MERGE_CASES[0][0]:   # vmap adds a grid axis: each mapped call gets its own counters
+        cfg = dataclasses.replace(base, block_kv=16, block_rows=block_rows)
+        one = lambda q: _pallas(q, k, v, lens, num_splits=splits, config=cfg)[0]  # noqa: E731
+        stacked = jax.vmap(one)(jnp.stack([q, -0.5 * q]))
+        np.testing.assert_allclose(np.asarray(stacked[0]), np.asarray(results[True][0]), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(stacked[1]), np.asarray(one(-0.5 * q)), rtol=1e-6, atol=1e-6)
 
 
 def test_value_head_dim_and_scale():
