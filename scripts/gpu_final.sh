@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: the gpu-marked tests and the benchmark suites on the GPU, in the order given as arguments
-# (default: tests decode linear quick; also: prefill4k, prefill16k, dims, paged, shardmap, decode_diag, linear_ab), each step time-boxed
+# (default: tests decode linear quick; also: prefill4k, prefill16k, dims, paged, shardmap, decode_diag, linear_ab, ssd), each step time-boxed
 # (T_<STEP> seconds; TEST_K: a pytest -k filter for the tests step), every log and JSON written under $OUT as it goes, so a cut-off run keeps what finished.
 set -u
 export PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
@@ -38,5 +38,7 @@ for s in $steps; do
     linear_ab) step "${T_LINEAR_AB:-240}" linear_ab python3 scripts/gpu_linear_ab.py --out "$OUT" \
                  --deadline "${LINEAR_AB_DEADLINE:-200}" --first "${LINEAR_AB_FIRST:-0}" ;;
     paged) step "${T_PAGED:-100}" paged python3 scripts/gpu_paged.py --out "$OUT/paged.json" ;;
+    ssd) step "${T_SSD:-300}" ssd python3 scripts/gpu_ssd.py --out "$OUT" --steps "${SSD_STEPS:-check,kernels,variants}" \
+           --deadline "${SSD_DEADLINE:-240}" ;;
   esac
 done

@@ -13,7 +13,8 @@ Steps (``--steps``, in this order):
   bf16       B2 H16 T8192 dk=dv=128 bfloat16 forward with beta: chunked and ssd;
   alt        the forward of ssd and ssd/alt at both shapes, in one process;
   kernels    each kernel of the forward and backward alone, both forms (float32 and bf16 shapes);
-  variants   KERNEL_VARIANTS (config overrides per kernel), until ``--deadline`` seconds.
+  variants   each kernel of both forms again, then the KERNEL_VARIANTS (config overrides) of the kernels
+             named by ``--variant-kernels`` (wy first), until ``--deadline`` seconds.
 Writes $OUT/ssd_results.json as it goes. ``--smoke``: the same code in the Pallas interpreter on CPU at tiny
 shapes (timings meaningless). Session 7 ran "e2e,bf16,kernels,variants" (cut off during e2e) and
 "f32nobeta,bf16,alt"; docs/PERF_NOTES.md has the numbers.
@@ -285,6 +286,8 @@ def main():
     p.add_argument("--deadline", type=float, default=150.0, help="start no new step after this many seconds")
     p.add_argument("--steps", default="check,e2e,bf16,kernels,variants",
                    help="comma-separated: check e2e f32nobeta bf16 alt kernels variants")
+    p.add_argument("--variant-kernels", default="wy,dqk,precompute,state,reverse,out,dout",
+                   help="kernels whose KERNEL_VARIANTS the variants step times, in this order")
     args = p.parse_args()
     interp = args.smoke
     OUT_DIR[0] = args.out
@@ -336,7 +339,7 @@ def main():
         save(args.out)
     if "variants" in steps:
         guarded("kernel variants", time_kernels, f32_label, f32_shape, jnp.float32, True, interp,
-                ("state", "reverse", "out", "dqk", "precompute", "wy", "dout"), args.deadline)
+                tuple(args.variant_kernels.split(",")), args.deadline)
         save(args.out)
     print("\n" + table())
     print("\nfailures:", json.dumps(RESULTS["failures"]))
