@@ -7,6 +7,7 @@ the 2-core CI box); the larger sweep is marked ``slow``.
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -244,6 +245,9 @@ def test_config_validation():
         SSDConfig(f32_dot="tf32")
     with pytest.raises(ValueError, match="small_f32_dot"):
         SSDConfig(small_f32_dot="yes")
+    for bad in ((("wy", 3),), (("ut", 8),), ("wy", 8)):
+        with pytest.raises(ValueError, match="warps"):
+            SSDConfig(warps=bad)
     with pytest.raises(ValueError, match="256"):
         ssd_config(512, 64, jnp.float32, "NVIDIA H200")
 
@@ -254,7 +258,8 @@ def test_small_f32_dot_lowers_and_matches():
     H200 with tf32x3 on every product, inside a mesh with Explicit axes (where a reduction over two axes
     in a kernel failed to lower: the kernels reduce one axis at a time), and the interpreter (full float32
     products) still matches the float64 recurrence, outputs and every gradient."""
-    cfg = dataclasses.replace(ssd_config(64, 64, jnp.float32, "NVIDIA H200"), small_f32_dot=True)
+    cfg = dataclasses.replace(ssd_config(64, 64, jnp.float32, "NVIDIA H200"), small_f32_dot=True,
+                              warps=(("wy", 8), ("state", 8)))
     inputs = make_inputs(21, 1, 2, 70, 16, 16)
     assert_close(errors(ssd(32, config=dataclasses.replace(cfg, f32_dot="ieee")), inputs, seed=21),
                  TOLERANCES["float32"])
@@ -271,6 +276,10 @@ def test_small_f32_dot_lowers_and_matches():
         text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).trace(x, x, x, g, g).lower(
             lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call") >= 5
+    # the per-kernel warp counts (SSDConfig.warps) reach the launches
+    launches = {m.group(1): int(m.group(2)) for m in re.finditer(
+        r'name = "(ssd_\w+)".*?num_warps = (\d+) : i32', text)}
+    assert launches.get("ssd_wy_bwd") == 8 and launches.get("ssd_state") == 8 and launches.get("ssd_out") == cfg.num_warps
 
 
 # ---------------------------------------------------------------------------------------------------

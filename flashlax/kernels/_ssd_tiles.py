@@ -420,8 +420,9 @@ def call(kernel, st: Static, grid0: int, inputs: dict, outputs: dict, *, sequent
     cfg = st.config
     bh = next(iter(inputs.values()))[0].shape[:2]
     names = tuple(inputs) + tuple(outputs)
-    params = plgpu.CompilerParams(num_warps=cfg.state_warps if sequential else cfg.num_warps,
-                                  num_stages=cfg.state_stages if sequential else 1)
+    warps = dict(cfg.warps).get(name.removeprefix("ssd_").removesuffix("_bwd"),
+                                cfg.state_warps if sequential else cfg.num_warps)
+    params = plgpu.CompilerParams(num_warps=warps, num_stages=cfg.state_stages if sequential else 1)
     arrays = [x for x, _ in inputs.values()]
     # inside a caller's shard_map (check_vma=True) each output varies over the mesh axes its inputs vary over
     out_shape = [out_struct(sds.shape, sds.dtype, *arrays) for sds, _ in outputs.values()]

@@ -332,6 +332,10 @@ def num_sms(device_kind: str | None = None) -> int:
 # gated_delta_rule "ssd" kernels (flashlax/kernels/ssd.py, ssd_bwd.py)
 # ----------------------------------------------------------------------------------------------------
 
+# The ssd kernels by name (SSDConfig.warps; the pallas_call names are "ssd_<name>", the wy one "ssd_wy_bwd").
+SSD_KERNELS = ("precompute", "state", "out", "dout", "reverse", "dqk", "wy")
+
+
 @dataclasses.dataclass(frozen=True)
 class SSDConfig:
     """Launch parameters of the ssd kernels.
@@ -350,7 +354,9 @@ class SSDConfig:
     ``H_n = k_dec^T u_n`` formed per chunk in parallel beforehand (one [dk, dk] x [dk, bv] product per step
     instead of two [C, dk]-sized ones; without beta no product at all), instead of ``D = u - w S``,
     ``S <- g S + k_dec^T D``. Fewer sequential FLOPs when dk < 2 C. ``transition="without_beta"``: the
-    transition form without beta only (with beta the two-product form).
+    transition form without beta only (with beta the two-product form). ``warps``: per-kernel warp counts
+    that override ``num_warps`` / ``state_warps``, as pairs (kernel, warps) with kernel one of
+    :data:`SSD_KERNELS`.
     """
 
     block: int = 16
@@ -363,6 +369,7 @@ class SSDConfig:
     f32_dot: str = "ieee"
     transition: bool | str = False
     small_f32_dot: bool = False
+    warps: tuple = ()
 
     def __post_init__(self):
         for name in ("block", "block_v", "state_block_v", "max_chunk"):
@@ -378,6 +385,11 @@ class SSDConfig:
             raise ValueError(f"SSDConfig: f32_dot must be 'ieee' or 'tf32x3', got {self.f32_dot!r}")
         if not isinstance(self.small_f32_dot, bool):
             raise ValueError(f"SSDConfig: small_f32_dot must be a bool, got {self.small_f32_dot!r}")
+        for pair in self.warps:
+            if not (isinstance(pair, tuple) and len(pair) == 2 and pair[0] in SSD_KERNELS
+                    and pair[1] in (1, 2, 4, 8, 16)):
+                raise ValueError(f"SSDConfig: warps must be pairs (kernel, warps) with kernel one of {SSD_KERNELS} "
+                                 f"and warps 1, 2, 4, 8 or 16, got {self.warps!r}")
         if not (isinstance(self.transition, bool) or self.transition == "without_beta"):
             raise ValueError(f"SSDConfig: transition must be a bool or 'without_beta', got {self.transition!r}")
 
