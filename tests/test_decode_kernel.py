@@ -146,6 +146,9 @@ def test_merge_in_kernel_and_xla_merge(case):
         stacked = jax.vmap(one)(jnp.stack([q, -0.5 * q]))
         np.testing.assert_allclose(np.asarray(stacked[0]), np.asarray(results[True][0]), rtol=1e-6, atol=1e-6)
         np.testing.assert_allclose(np.asarray(stacked[1]), np.asarray(one(-0.5 * q)), rtol=1e-6, atol=1e-6)
+        with jax.enable_x64(True):   # int64 kv_lens; the counters and index arithmetic stay int32
+            x64 = jax.jit(lambda q, lens: _pallas(q, k, v, lens, num_splits=splits, config=cfg))(q, lens.astype(jnp.int64))
+        _check(*x64, *_reference(q, k, v, lens), q.dtype)
 
 
 def test_value_head_dim_and_scale():

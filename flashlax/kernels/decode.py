@@ -183,10 +183,12 @@ def _decode_kernel(kv_lens_ref, *refs, st: _Static, n_score_cap: int, groups: in
         _tiles.store_tile(o_ref, row0, out, rows, dv)     # q's dtype with one split, else float32 partials
         _tiles.store_vec(lse_ref, row0, lse, rows)
         return
-    # One index expression per store (the interpreter mishandles a store through two chained .at views).
-    plgpu.store(o_part_ref.at[split, pl.ds(row0, br), pl.ds(0, dvp)], out,
+    # One index expression per store (the interpreter mishandles a store through two chained .at views), its
+    # indices all int32 (with split, a program id; Python ints would be int64 under x64).
+    row0_32, zero = jnp.asarray(row0, i32), i32(0)
+    plgpu.store(o_part_ref.at[split, pl.ds(row0_32, br), pl.ds(zero, dvp)], out,
                 mask=_tiles.tile_mask(row0, br, rows, dvp, dv, False))
-    plgpu.store(lse_part_ref.at[split, pl.ds(row0, br)], lse, mask=_tiles.row_mask(row0, br, rows))
+    plgpu.store(lse_part_ref.at[split, pl.ds(row0_32, br)], lse, mask=_tiles.row_mask(row0, br, rows))
     # Every thread's partial stores, then one acquire-release increment of the group's counter (GPU scope):
     # the program that sees splits - 1 arrived last, every other split's partials are visible to it, and it
     # merges them in split order (the same sums whichever program it is: deterministic).
@@ -214,6 +216,8 @@ def _merge_partials(o_part_ref, lse_part_ref, o_ref, lse_ref, row0, splits: int,
     0 and lse -inf. Plain loads: this program never read these addresses before, so its L1 holds no stale
     copy, and they come after the counter's acquire."""
     sc = _merge_chunk(splits, rp, dvp)
+    i32 = jnp.int32   # every index of one load the same integer type (Python ints are int64 under x64)
+    row0, zero = jnp.asarray(row0, i32), i32(0)
     row_ok = (row0 + lax.broadcasted_iota(jnp.int32, (1, rp), 1)) < rows
     col_ok = lax.broadcasted_iota(jnp.int32, (1, 1, dvp), 2) < dv
     m = jnp.full((rp,), -jnp.inf, jnp.float32)
@@ -221,8 +225,8 @@ def _merge_partials(o_part_ref, lse_part_ref, o_ref, lse_ref, row0, splits: int,
     acc = jnp.zeros((rp, dvp), jnp.float32)
     for s0 in range(0, splits, sc):
         ok = ((s0 + lax.broadcasted_iota(jnp.int32, (sc, 1), 0)) < splits) & row_ok      # [sc, rp]
-        lse = plgpu.load(lse_part_ref.at[pl.ds(s0, sc), pl.ds(row0, rp)], mask=ok, other=-jnp.inf)
-        part = plgpu.load(o_part_ref.at[pl.ds(s0, sc), pl.ds(row0, rp), pl.ds(0, dvp)],
+        lse = plgpu.load(lse_part_ref.at[pl.ds(i32(s0), sc), pl.ds(row0, rp)], mask=ok, other=-jnp.inf)
+        part = plgpu.load(o_part_ref.at[pl.ds(i32(s0), sc), pl.ds(row0, rp), pl.ds(zero, dvp)],
                           mask=ok[:, :, None] & col_ok, other=0.0)
         m_new = jnp.maximum(m, jnp.max(lse, axis=0))                 # [rp]
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)            # nothing seen yet: exp(-inf - 0) = 0
