@@ -235,10 +235,9 @@ def _merge_partials(o_part_ref, lse_part_ref, o_ref, lse_ref, row0, splits: int,
         tot = tot * alpha + jnp.sum(w, axis=0)
         acc = acc * alpha[:, None] + jnp.sum(part * w[:, :, None], axis=0)
         m = m_new
-    seen = tot > 0
-    tot_safe = jnp.where(seen, tot, 1.0)
-    _tiles.store_tile(o_ref, row0, acc / tot_safe[:, None], rows, dv)
-    _tiles.store_vec(lse_ref, row0, jnp.where(seen, jnp.log(tot_safe) + m, -jnp.inf), rows)
+    out, lse = _merged(acc, tot, m)
+    _tiles.store_tile(o_ref, row0, out, rows, dv)
+    _tiles.store_vec(lse_ref, row0, lse, rows)
 
 
 def _decode_call(st: _Static, q, k_cache, v_cache, kv_lens, captured, n_score_cap: int, block_table=None):
@@ -320,12 +319,17 @@ def merge_splits(out_parts, lse_parts):
     lse_max = jnp.max(lse_parts, axis=-2, keepdims=True)
     lse_max = jnp.where(lse_max == -jnp.inf, 0.0, lse_max)   # no finite split: exp(-inf - 0) = 0
     weight = jnp.exp(lse_parts - lse_max)                     # [..., S, rows], each <= 1
-    total = jnp.sum(weight, axis=-2)
+    return _merged(jnp.sum(out_parts * weight[..., None], axis=-3), jnp.sum(weight, axis=-2),
+                   jnp.squeeze(lse_max, -2))
+
+
+def _merged(acc, total, lse_max):
+    """The end of a log-sum-exp merge (:func:`merge_splits`, and the kernel's :func:`_merge_partials`):
+    acc [..., rows, Dv] and total [..., rows], the partials and their weights summed with weights
+    exp(lse - lse_max) -> (out, lse). Rows with total 0 (no split saw them) give 0 and -inf."""
     seen = total > 0
     total_safe = jnp.where(seen, total, 1.0)
-    out = jnp.sum(out_parts * weight[..., None], axis=-3) / total_safe[..., None]
-    lse = jnp.where(seen, jnp.log(total_safe) + jnp.squeeze(lse_max, -2), -jnp.inf)
-    return out, lse
+    return acc / total_safe[..., None], jnp.where(seen, jnp.log(total_safe) + lse_max, -jnp.inf)
 
 
 # ----------------------------------------------------------------------------------------------------
