@@ -16,7 +16,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from flashlax.kernels._tiles import pow2
+from flashlax.kernels._tiles import pow2, sum_all
 from flashlax.parallel.vma import out_struct
 from flashlax.kernels.configs import SSDConfig
 
@@ -163,14 +163,6 @@ def mm(x, st: Static):
 # ----------------------------------------------------------------------------------------------------
 # Decays of one chunk, by sub-blocks
 # ----------------------------------------------------------------------------------------------------
-
-def sum_all(x):
-    """Sum of every element of a tile, one axis at a time: Pallas' Triton lowering of a reduction over two
-    axes breaks inside a mesh with Explicit axes (it keeps the 2-D sharding on the 1-D step; jax 0.11.2)."""
-    while x.ndim > 1:
-        x = jnp.sum(x, axis=-1)
-    return jnp.sum(x)
-
 
 def add_all(terms):
     out = 0.0

@@ -86,6 +86,14 @@ def row_mask(start, rows: int, n_rows: int):
     return (start + jnp.arange(rows, dtype=jnp.int32)) < n_rows
 
 
+def sum_all(x):
+    """Sum of every element of a tile, one axis at a time: Pallas' Triton lowering of a reduction over two
+    axes breaks inside a mesh with Explicit axes (it keeps the 2-D sharding on the 1-D step; jax 0.11.2)."""
+    while x.ndim > 1:
+        x = jnp.sum(x, axis=-1)
+    return jnp.sum(x)
+
+
 def tile_mask(start, rows: int, n_rows: int, cols: int, n_cols: int, aligned: bool):
     """bool [rows, cols] mask of the cells of a tile from row ``start`` that lie inside [n_rows, n_cols]
     (None when every cell does: ``aligned`` rows and no column padding)."""

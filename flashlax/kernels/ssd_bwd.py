@@ -33,8 +33,9 @@ from flashlax.kernels import ssd
 from flashlax.kernels._ssd_tiles import (F32, UT_BLOCK, Decays, Static, add_all, call, chunk_delta, chunk_rows,
                                          chunk_vectors, col_bound, dot, load, load_square, load_vec, mat_spec, mm,
                                          named, p_blocks, per_chunk_arg, per_chunk_out, seq_arg, seq_out,
-                                         sequential_program, state_block, store, store_state, store_vec, sum_all,
+                                         sequential_program, state_block, store, store_state, store_vec,
                                          ut_blocks, vec_out, vec_spec)
+from flashlax.kernels._tiles import sum_all
 
 
 def _dout_kernel(*refs, names, st: Static):
