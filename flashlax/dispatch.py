@@ -63,8 +63,9 @@ TABLE: dict[str, dict[str, Impl]] = {
 DEFAULTS: dict[str, dict[str, str]] = {
     "flex_attention": {"cpu": "xla", "gpu": "pallas"},
     "decode_attention": {"cpu": "xla", "gpu": "pallas"},
-    # ssd (Pallas forward; with beta the chunked XLA backward, without beta the Pallas backward) was faster
-    # than chunked forward and forward+backward in every case timed on the H200 (docs/PERF_NOTES.md, session 8).
+    # ssd (Pallas forward; the Pallas backward, or the chunked XLA backward for float32 with beta above head
+    # dim 64) was faster than chunked forward and forward+backward in every case timed on the H200
+    # (docs/PERF_NOTES.md, sessions 8 and 11).
     "gated_delta_rule": {"cpu": "chunked", "gpu": "ssd"},
 }
 

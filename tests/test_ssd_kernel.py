@@ -141,13 +141,15 @@ def test_extreme_decays(case):
 @pytest.mark.parametrize("with_beta, x64", [(True, False), (False, False), (True, True)])
 def test_front_end_default(with_beta, x64):
     """impl="ssd" through gated_delta_rule: backward "auto" is the chunked XLA backward for float32 with beta
-    and the Pallas backward without beta or in bf16 (the faster on the H200); both against the float64
-    recurrence, the XLA backward also with jax_enable_x64 on. The first CASES' shapes."""
-    inputs = make_inputs(77, 1, 2, 77, 8, 24, with_beta=with_beta, with_state=with_beta)
-    static = lambda dtype: ssd_module.make_static(  # noqa: E731
-        *(inputs[n].astype(dtype) for n in "qkv"), inputs.get("beta"), scale=1.0, chunk_size=32,
+    and a head dim over 64, the Pallas backward otherwise (the faster on the H200); both against the float64
+    recurrence, with jax_enable_x64 on too. The first CASES' shapes (dv 24 and, for the XLA backward, 72)."""
+    dv = 72 if with_beta and x64 else 24
+    inputs = make_inputs(77, 1, 2, 77, 8, dv, with_beta=with_beta, with_state=with_beta)
+    static = lambda dtype, dv=dv: ssd_module.make_static(  # noqa: E731
+        *(inputs[n][..., :dv].astype(dtype) for n in "qkv"), inputs.get("beta"), scale=1.0, chunk_size=32,
         interpret=True, config=None, device_kind=None)
-    assert static(jnp.float32).backward == ("xla" if with_beta else "pallas")
+    assert static(jnp.float32).backward == ("xla" if with_beta and dv > 64 else "pallas")
+    assert static(jnp.float32, 64).backward == "pallas"
     assert static(jnp.bfloat16).backward == "pallas"
     front = functools.partial(gated_delta_rule, impl="ssd", chunk_size=32, interpret=INTERPRET)
     with jax.enable_x64(x64):
@@ -250,6 +252,25 @@ def test_config_validation():
             SSDConfig(warps=bad)
     with pytest.raises(ValueError, match="256"):
         ssd_config(512, 64, jnp.float32, "NVIDIA H200")
+    for bad in ((("wy", 24),), (("state", 16),), ("wy", 16), (("wy", 8),)):
+        with pytest.raises(ValueError, match="blocks"):
+            SSDConfig(blocks=bad)
+    with pytest.raises(ValueError, match="dqk_block_k"):
+        SSDConfig(dqk_block_k=48)
+
+
+@pytest.mark.parametrize("with_beta, transition", [(True, False), (True, True), (False, True)])
+def test_per_kernel_blocks_match(with_beta, transition):
+    """SSDConfig.blocks and dqk_block_k: each chunk kernel cut into its own sub-blocks (the wy kernel reads T
+    by [16, 16] tiles while the output and dqk kernels work on one [64, 64] tile, dout on [32, 32] ones) and
+    the dqk kernel doing dk in two passes of 16 columns (D read per pass in the two-product form, formed
+    again per pass as u - w S in the transition form with beta; dD formed in each pass and stored in the
+    first in the transition form); outputs and every gradient still match the float64 recurrence, with a
+    partial last chunk."""
+    cfg = dataclasses.replace(ssd_config(64, 64, jnp.float32, "NVIDIA H200"), f32_dot="ieee",
+                              blocks=(("wy", 16), ("dout", 32)), dqk_block_k=16, transition=transition)
+    inputs = make_inputs(31, 1, 2, 100, 32, 16, la_lo=-3.0, with_beta=with_beta, with_state=True)
+    assert_close(errors(ssd(64, config=cfg), inputs, seed=31), TOLERANCES["float32"])
 
 
 def test_small_f32_dot_lowers_and_matches():

@@ -74,8 +74,13 @@ class Static:
             return lax.DotAlgorithmPreset.TF32_TF32_F32_X3
         return lax.Precision.HIGHEST
 
-    def block(self) -> int:
-        return min(self.config.block, self.chunk)
+    def block(self, kernel: str) -> int:
+        """Sub-block of the chunk kernel ``kernel`` (SSDConfig.blocks, else SSDConfig.block), at most C."""
+        return min(dict(self.config.blocks).get(kernel, self.config.block), self.chunk)
+
+    def dqk_block_k(self) -> int:
+        """dk columns per pass of the dqk kernel (SSDConfig.dqk_block_k, default all of them)."""
+        return min(self.config.dqk_block_k or self.dkp, self.dkp)
 
     def state_block_v(self) -> int:
         return min(self.config.state_block_v, self.dvp)
@@ -331,9 +336,9 @@ def chunk_vectors(la, st: Static):
     return gamma, e_last, jnp.exp(jnp.sum(la))
 
 
-def load_square(ref, row0, col0, st: Static, cols: int):
-    """[dkp, cols] tile of one of our per-chunk [N * dkp, width] arrays (chunk states, M, H, R)."""
-    return plgpu.load(ref.at[ds(row0, st.dkp), ds(col0, cols)])
+def load_square(ref, row0, col0, st: Static, cols: int, rows: int | None = None):
+    """[dkp (or rows), cols] tile of one of our per-chunk [N * dkp, width] arrays (chunk states, M, H, R)."""
+    return plgpu.load(ref.at[ds(row0, st.dkp if rows is None else rows), ds(col0, cols)])
 
 
 def state_block(ref, row0, col0, st: Static, bv: int):

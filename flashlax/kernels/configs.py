@@ -334,6 +334,7 @@ def num_sms(device_kind: str | None = None) -> int:
 
 # The ssd kernels by name (SSDConfig.warps; the pallas_call names are "ssd_<name>", the wy one "ssd_wy_bwd").
 SSD_KERNELS = ("precompute", "state", "out", "dout", "reverse", "dqk", "wy")
+SSD_BLOCK_KERNELS = ("out", "dout", "dqk", "wy")     # the chunk kernels whose sub-block SSDConfig.blocks sets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -356,7 +357,9 @@ class SSDConfig:
     ``S <- g S + k_dec^T D``. Fewer sequential FLOPs when dk < 2 C. ``transition="without_beta"``: the
     transition form without beta only (with beta the two-product form). ``warps``: per-kernel warp counts
     that override ``num_warps`` / ``state_warps``, as pairs (kernel, warps) with kernel one of
-    :data:`SSD_KERNELS`.
+    :data:`SSD_KERNELS`. ``blocks``: per-kernel sub-block sizes that override ``block`` in the chunk kernels
+    (out, dout, dqk, wy), as pairs (kernel, block). ``dqk_block_k``: the dqk backward kernel does the dk
+    columns in passes of this many (fewer live float32 accumulators at large dk; None: one pass).
     """
 
     block: int = 16
@@ -370,10 +373,14 @@ class SSDConfig:
     transition: bool | str = False
     small_f32_dot: bool = False
     warps: tuple = ()
+    blocks: tuple = ()
+    dqk_block_k: int | None = None
 
     def __post_init__(self):
-        for name in ("block", "block_v", "state_block_v", "max_chunk"):
+        for name in ("block", "block_v", "state_block_v", "max_chunk", "dqk_block_k"):
             val = getattr(self, name)
+            if name == "dqk_block_k" and val is None:
+                continue
             if not isinstance(val, int) or val < 16 or val & (val - 1):
                 raise ValueError(f"SSDConfig: {name} must be a power of two >= 16, got {val!r}")
         for name in ("num_warps", "state_warps"):
@@ -390,6 +397,11 @@ class SSDConfig:
                     and pair[1] in (1, 2, 4, 8, 16)):
                 raise ValueError(f"SSDConfig: warps must be pairs (kernel, warps) with kernel one of {SSD_KERNELS} "
                                  f"and warps 1, 2, 4, 8 or 16, got {self.warps!r}")
+        for pair in self.blocks:
+            if not (isinstance(pair, tuple) and len(pair) == 2 and pair[0] in SSD_BLOCK_KERNELS
+                    and isinstance(pair[1], int) and pair[1] >= 16 and not pair[1] & (pair[1] - 1)):
+                raise ValueError(f"SSDConfig: blocks must be pairs (kernel, block) with kernel one of "
+                                 f"{SSD_BLOCK_KERNELS} and block a power of two >= 16, got {self.blocks!r}")
         if not (isinstance(self.transition, bool) or self.transition == "without_beta"):
             raise ValueError(f"SSDConfig: transition must be a bool or 'without_beta', got {self.transition!r}")
 
@@ -412,7 +424,8 @@ def ssd_smem_bytes(config: SSDConfig, head_dim_k: int, head_dim_v: int, chunk: i
     sequential = config.state_stages * c * dk * item + c * dk * item + dk * bv * 4 + c * bv * 4
     if config.transition:       # M_n [dk, dk] float32 streamed per stage, staged once more as an operand
         sequential = (config.state_stages + 1) * dk * dk * 4 + 2 * dk * bv * 4
-    chunked = dk * min(config.block_v, dv) * 4 + min(config.block, c) * dk * 4
+    block = max([config.block] + [b for _, b in config.blocks])
+    chunked = dk * min(config.block_v, dv) * 4 + min(block, c) * dk * 4
     return max(sequential, chunked)
 
 
@@ -428,16 +441,22 @@ SSD_CONFIGS: dict[str, dict[tuple[int, str], SSDConfig]] = {
         # two-product form, whose forward is faster (1.06 vs 1.19 ms at B2 H8 T8192; per kernel, session 9:
         # precompute 0.232 + state 0.581 + out 0.247 vs 0.662 + 0.277 + 0.253) and backward kernels the same
         # (7.27 vs 7.22 ms); without beta the transition form (no product in the sequential chain, 0.385 ms).
-        (64, "32"): SSDConfig(block=64, block_v=64, state_block_v=16, state_stages=2, f32_dot="tf32x3",
-                              transition="without_beta"),
+        # Session 11 (the wy kernel reads T from the backward's precompute): wy on 16-row sub-blocks (f32 dk64
+        # 1.08 ms vs 1.21 on one 64-row tile and 4.95 recomputing T; bf16 dk128 0.92 vs 2.31 / 3.19 at 8 warps),
+        # 3 stages in the sequential passes (state 0.494 vs 0.579 ms at 2), dqk at bf16 dk128 in two passes of
+        # 64 dk columns with 4 warps (2.71 vs 3.73 ms in one pass at 8 warps). 4 warps beat 8 in every kernel
+        # tried at these shapes (docs/PERF_NOTES.md).
+        (64, "32"): SSDConfig(block=64, block_v=64, state_block_v=16, state_stages=3, f32_dot="tf32x3",
+                              transition="without_beta", blocks=(("wy", 16),)),
         (128, "32"): SSDConfig(block=64, block_v=64, num_warps=8, state_block_v=16, state_stages=2,
-                               f32_dot="tf32x3"),
+                               f32_dot="tf32x3", warps=(("wy", 4),)),
         (256, "32"): SSDConfig(block=16, block_v=32, num_warps=8, state_block_v=16, state_warps=8,
                                state_stages=1, max_chunk=64, f32_dot="tf32x3"),
         (64, "16"): SSDConfig(block=64, block_v=64, state_block_v=32, state_stages=2, f32_dot="tf32x3",
                               transition=True),
         (128, "16"): SSDConfig(block=64, block_v=64, num_warps=8, state_block_v=32, state_stages=2,
-                               f32_dot="tf32x3"),
+                               f32_dot="tf32x3", blocks=(("wy", 16),), dqk_block_k=64,
+                               warps=(("wy", 4), ("dqk", 4))),
         (256, "16"): SSDConfig(block=16, block_v=32, num_warps=8, state_block_v=16, state_warps=8,
                                state_stages=1, max_chunk=64, f32_dot="tf32x3"),
     },

@@ -1,7 +1,7 @@
 """gated_delta_rule on the GPU, impl "ssd": Pallas kernels (Triton lowering), forward; the Pallas backward is in
 :mod:`flashlax.kernels.ssd_bwd`. ``backward="auto"`` (the default) takes the faster backward on the H200: the
-chunked XLA path's backward for float32 with beta, the Pallas kernels otherwise (without beta, and bf16 / fp16
-with beta); both on the same residuals, the inputs.
+chunked XLA path's backward for float32 with beta and a head dim over 64, the Pallas kernels otherwise; both
+on the same residuals, the inputs.
 
 The chunked algorithm of ``flashlax/fallbacks/linear.py`` (see its docstring for the algebra) split into
 kernels by parallelism. Per chunk of C tokens with state ``S`` at its start::
@@ -49,8 +49,9 @@ from flashlax.parallel.vma import cotangent_like, match_vma
 
 
 def _precompute_kernel(*refs, names, st: Static):
-    """One chunk. With beta: w = T (beta gamma k) [C, dk], u = T (beta v) [C, dv]; with ``st.transition``
-    also M = g I - k_dec^T w [dk, dk] and H = k_dec^T u [dk, dv] (float32). Without beta (transition only):
+    """One chunk. With beta: w = T (beta gamma k) [C, dk], u = T (beta v) [C, dv], and T itself [C, C] when
+    asked ("t": the backward's UT kernel reads it instead of inverting again); with ``st.transition`` also
+    M = g I - k_dec^T w [dk, dk] and H = k_dec^T u [dk, dv] (float32). Without beta (transition only):
     H = k_dec^T v."""
     r = named(refs, names)
     sb = UT_BLOCK
@@ -65,6 +66,11 @@ def _precompute_kernel(*refs, names, st: Static):
         beta = [load_vec(r["beta"], row, sb, st) for row in rows]
         t, _, _ = ut_blocks(k, beta, dec, st)
         t = {key: mm(x, st) for key, x in t.items()}
+        if "t" in r:      # every block, the zero ones above the diagonal too (read as whole tiles)
+            zero = jnp.zeros((sb, sb), F32)
+            for i in range(nb):
+                for j in range(nb):
+                    store(r["t"], rows[i], j * sb, t[i, j] if j <= i else zero, st)
         kb = [mm((beta[j] * dec.gamma(j))[:, None] * k[j].astype(F32), st) for j in range(nb)]
         w = [add_all(dot(t[i, j], kb[j], st) for j in range(i + 1)) for i in range(nb)]
         for i in range(nb):
@@ -119,7 +125,7 @@ def _state_kernel(*refs, names, st: Static):
 def _output_kernel(*refs, names, st: Static):
     """One chunk: O = P D + q_g S_n, D as :func:`chunk_delta`."""
     r = named(refs, names)
-    sb = st.block()
+    sb = st.block("out")
     rows = chunk_rows(st, sb)
     nb = len(rows)
     kcols = col_bound(st.dk, st.dkp)
@@ -139,14 +145,17 @@ def _output_kernel(*refs, names, st: Static):
             store(r["o"], rows[i], c0, o, st, col_bound(st.dv, st.dvp))
 
 
-def precompute_call(st: Static, k, v, la, beta) -> dict:
-    """The per-chunk parallel precompute: w, u [B, H, T, dkp / dvp] in the input dtype (with beta); M [B, H,
-    N * dkp, dkp] (with beta) and H [B, H, N * dkp, dvp] float32 (with ``st.transition``). {} when neither."""
+def precompute_call(st: Static, k, v, la, beta, emit_t: bool = False) -> dict:
+    """The per-chunk parallel precompute: w, u [B, H, T, dkp / dvp] in the input dtype (with beta), and with
+    ``emit_t`` T [B, H, T, C] (row r: row r % C of its chunk's T; input dtype); M [B, H, N * dkp, dkp] (with
+    beta) and H [B, H, N * dkp, dvp] float32 (with ``st.transition``). {} when none of these."""
     bh = k.shape[:2]
     outputs = {}
     if st.has_beta:
         outputs["w"] = seq_out(st, bh, st.dkp, st.mm_dtype)
         outputs["u"] = seq_out(st, bh, st.dvp, st.mm_dtype)
+        if emit_t:
+            outputs["t"] = seq_out(st, bh, st.chunk, st.mm_dtype)
     if st.transition:
         if st.has_beta:
             outputs["m"] = per_chunk_out(st, bh, st.dkp)
@@ -259,8 +268,8 @@ def make_static(q, k, v, beta, *, scale: float, chunk_size: int, interpret: bool
     check_ssd_config(cfg, dk, dv, chunk, q.dtype, kind)
     if backward not in ("auto", "pallas", "xla"):
         raise ValueError(f"gated_delta_rule_ssd: backward must be 'auto', 'pallas' or 'xla', got {backward!r}")
-    if backward == "auto":      # the faster one on the H200 (docs/PERF_NOTES.md, sessions 8 and 9)
-        backward = "xla" if beta is not None and q.dtype == jnp.float32 else "pallas"
+    if backward == "auto":      # the faster one on the H200 (docs/PERF_NOTES.md, sessions 8, 9 and 11)
+        backward = "xla" if beta is not None and q.dtype == jnp.float32 and max(dk, dv) > 64 else "pallas"
     return Static(backward=backward, config=cfg, scale=float(scale), chunk=chunk, seq_len=seq_len, dk=dk, dv=dv,
                   has_beta=beta is not None, dtype=jnp.dtype(q.dtype), interpret=bool(interpret))
 
@@ -279,7 +288,8 @@ def gated_delta_rule_ssd(q, k, v, log_alpha, beta=None, *, scale: float, initial
     residuals are the inputs). ``config``: an SSDConfig (default: :func:`ssd_config` for the device kind);
     a chunk_size above its ``max_chunk`` runs at ``max_chunk`` (the same function). ``backward``: "pallas"
     (the Pallas backward kernels), "xla" (the backward of the chunked XLA path on the same residuals, the
-    inputs) or "auto" (the faster on the H200: "xla" for float32 with beta, else "pallas"; docs/PERF_NOTES.md).
+    inputs) or "auto" (the faster on the H200: "xla" for float32 with beta and dk or dv over 64, else
+    "pallas"; docs/PERF_NOTES.md).
     """
     st = make_static(q, k, v, beta, scale=scale, chunk_size=chunk_size, interpret=interpret, config=config,
                      device_kind=device_kind, backward=backward)

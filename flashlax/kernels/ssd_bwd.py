@@ -16,8 +16,8 @@ Kernels, in order:
 4. ``_dqk_kernel`` (parallel): cotangents of P, q_g, w, k_dec and g from dO, D, dD, h, dh (D and dD formed
    here in the transition form), then dq, the P and k_dec parts of dk, dw, and log_alpha's gradient through
    those decays. Without beta it finishes dk and d log_alpha, and dv is dD;
-5. ``_wy_kernel`` (with beta, parallel): the UT transform's reverse mode (T again from k, beta,
-   log_alpha): dv, dbeta, the rest of dk and d log_alpha.
+5. ``_wy_kernel`` (with beta, parallel): the UT transform's reverse mode (T read: the precompute of step 1
+   stores it here): dv, dbeta, the rest of dk and d log_alpha.
 Every output element is written by exactly one program (no atomics): the backward is deterministic.
 log_alpha's gradient collects, per position, exactly the terms whose segment contains it (``Decays.grad``).
 """
@@ -30,11 +30,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from flashlax.kernels import ssd
-from flashlax.kernels._ssd_tiles import (F32, UT_BLOCK, Decays, Static, add_all, call, chunk_delta, chunk_rows,
+from flashlax.kernels._ssd_tiles import (F32, Decays, Static, add_all, call, chunk_delta, chunk_rows,
                                          chunk_vectors, col_bound, dot, load, load_square, load_vec, mat_spec, mm,
                                          named, p_blocks, per_chunk_arg, per_chunk_out, seq_arg, seq_out,
                                          sequential_program, state_block, store, store_state, store_vec,
-                                         ut_blocks, vec_out, vec_spec)
+                                         vec_out, vec_spec)
 from flashlax.kernels._tiles import sum_all
 
 
@@ -42,7 +42,7 @@ def _dout_kernel(*refs, names, st: Static):
     """One chunk: P^T dO (float32); with ``st.transition`` also R = q_g^T dO - w^T P^T dO [dk, dv], the
     part of the adjoint step that does not depend on the adjoint."""
     r = named(refs, names)
-    sb = st.block()
+    sb = st.block("dout")
     rows = chunk_rows(st, sb)
     nb = len(rows)
     kcols, vcols = col_bound(st.dk, st.dkp), col_bound(st.dv, st.dvp)
@@ -100,64 +100,88 @@ def _reverse_kernel(*refs, names, st: Static):
 def _dqk_kernel(*refs, names, st: Static):
     """One chunk: dq, dk (P and k_dec parts; all of it without beta), dw = -dD h^T, d log_alpha (all of it
     without beta). D as :func:`ssd.chunk_delta`; dD read ("dd") or formed as P^T dO + k_dec dh and stored
-    ("dd_out": the UT kernel's du, or dv without beta)."""
+    ("dd_out": the UT kernel's du, or dv without beta).
+
+    The dk columns are done in passes of ``st.dqk_block_k()`` (SSDConfig.dqk_block_k; one pass by default):
+    each pass accumulates the [C, bk] cotangents of q_g, k_dec and w for its columns over the dv blocks and
+    writes dq, dk, dw there, so three [C, bk] float32 accumulators are live instead of three [C, dk] ones.
+    The first pass also forms dP = dO D^T (and stores dD when formed here); q k^T (for log_alpha's gradient)
+    adds up over the passes. With several passes D and dD are read again (or formed again) per pass."""
     r = named(refs, names)
-    sb = st.block()
+    sb = st.block("dqk")
     rows = chunk_rows(st, sb)
     nb = len(rows)
     pairs = [(i, j) for i in range(nb) for j in range(i + 1)]
     kcols, vcols = col_bound(st.dk, st.dkp), col_bound(st.dv, st.dvp)
-    q = [load(r["q"], row, sb, 0, st.dkp, st, kcols) for row in rows]
-    k = [load(r["k"], row, sb, 0, st.dkp, st, kcols) for row in rows]
+    bk = st.dqk_block_k()
+    whole = bk == st.dkp
     dec = Decays([load_vec(r["la"], row, sb, st) for row in rows], sb, st)
     gamma = [dec.gamma(i) for i in range(nb)]
     e_last = [dec.e_last(i) for i in range(nb)]
     w = [load(r["w"], row, sb, 0, st.dkp, st) for row in rows] if "w" in r else None
-    k_dec = [mm(e_last[i][:, None] * k[i].astype(F32), st) for i in range(nb)] if "ddl" in r else None
-
-    zeros = jnp.zeros((sb, st.dkp), F32)
-    d_qg, d_kdec, d_w = [zeros] * nb, [zeros] * nb, [zeros] * nb
-    d_p = {key: jnp.zeros((sb, sb), F32) for key in pairs}
-    d_decay = 0.0
+    k_dec = None
+    if "ddl" in r:
+        k_dec = [mm(e_last[i][:, None] * load(r["k"], row, sb, 0, st.dkp, st, kcols).astype(F32), st)
+                 for i, row in enumerate(rows)]
     h_row = pl.program_id(0) * st.dkp
     bv = st.block_v()
-    for c0 in range(0, st.dvp, bv):
-        h = load_square(r["h"], h_row, c0, st, bv)
-        dh = load_square(r["dh"], h_row, c0, st, bv)
-        d_decay = d_decay + sum_all(h.astype(F32) * dh)
-        h, dh = mm(h, st), mm(dh, st)
-        do = [load(r["do"], row, sb, c0, bv, st, vcols) for row in rows]
-        d = chunk_delta(r, rows, sb, c0, bv, h, w, st)
-        for i in range(nb):
-            d_qg[i] = d_qg[i] + dot(do[i], h, st, tb=True)
-            d_kdec[i] = d_kdec[i] + dot(d[i], dh, st, tb=True)
-        if st.has_beta or "dd_out" in r:
-            if "dd" in r:
-                dd = [load(r["dd"], row, sb, c0, bv, st) for row in rows]
-            else:
-                dd = [load(r["ddl"], row, sb, c0, bv, st) + dot(k_dec[i], dh, st) for i, row in enumerate(rows)]
-                for i, row in enumerate(rows):
-                    store(r["dd_out"], row, c0, dd[i], st, None if st.has_beta else vcols)
-            if st.has_beta:
-                for i in range(nb):
-                    d_w[i] = d_w[i] - dot(mm(dd[i], st), h, st, tb=True)
+    d_p = {key: jnp.zeros((sb, sb), F32) for key in pairs}
+    qk = {key: jnp.zeros((sb, sb), F32) for key in pairs}
+    d_qk = None
+    d_decay = 0.0
+    d_gamma = [jnp.zeros((sb,), F32)] * nb
+    d_elast = [jnp.zeros((sb,), F32)] * nb
+    for k0 in range(0, st.dkp, bk):
+        first = k0 == 0
+        q = [load(r["q"], row, sb, k0, bk, st, kcols) for row in rows]
+        k = [load(r["k"], row, sb, k0, bk, st, kcols) for row in rows]
+        zeros = jnp.zeros((sb, bk), F32)
+        d_qg, d_kdec, d_w = [zeros] * nb, [zeros] * nb, [zeros] * nb
+        for c0 in range(0, st.dvp, bv):
+            h = load_square(r["h"], h_row + k0, c0, st, bv, bk)
+            dh = load_square(r["dh"], h_row + k0, c0, st, bv, bk)
+            d_decay = d_decay + sum_all(h.astype(F32) * dh)
+            h, dh = mm(h, st), mm(dh, st)
+            h_all = h if whole else mm(load_square(r["h"], h_row, c0, st, bv), st)
+            do = [load(r["do"], row, sb, c0, bv, st, vcols) for row in rows]
+            d = chunk_delta(r, rows, sb, c0, bv, h_all, w, st)
+            for i in range(nb):
+                d_qg[i] = d_qg[i] + dot(do[i], h, st, tb=True)
+                d_kdec[i] = d_kdec[i] + dot(d[i], dh, st, tb=True)
+            if st.has_beta or "dd_out" in r:
+                if "dd" in r:
+                    dd = [load(r["dd"], row, sb, c0, bv, st) for row in rows]
+                else:
+                    dh_all = dh if whole else mm(load_square(r["dh"], h_row, c0, st, bv), st)
+                    dd = [load(r["ddl"], row, sb, c0, bv, st) + dot(k_dec[i], dh_all, st)
+                          for i, row in enumerate(rows)]
+                    if first:
+                        for i, row in enumerate(rows):
+                            store(r["dd_out"], row, c0, dd[i], st, None if st.has_beta else vcols)
+                if st.has_beta:
+                    for i in range(nb):
+                        d_w[i] = d_w[i] - dot(mm(dd[i], st), h, st, tb=True)
+            if first:
+                for i, j in pairs:
+                    d_p[i, j] = d_p[i, j] + dot(do[i], d[j], st, tb=True)
+        if first:      # d(q k^T) through P = scale (q k^T * G)
+            d_qk = {key: st.scale * d_p[key] * dec.G(*key) for key in pairs}
         for i, j in pairs:
-            d_p[i, j] = d_p[i, j] + dot(do[i], d[j], st, tb=True)
-
-    qk, d_qk = {}, {}
-    for i, j in pairs:
-        qk[i, j] = dot(q[i], k[j], st, tb=True)
-        d_qk[i, j] = st.scale * d_p[i, j] * dec.G(i, j)        # d(q k^T) through P = scale (q k^T * G)
-    for i in range(nb):
-        dq = (st.scale * gamma[i])[:, None] * d_qg[i] + add_all(dot(mm(d_qk[i, j], st), k[j], st) for j in range(i + 1))
-        store(r["dq"], rows[i], 0, dq, st, kcols)
-        dk = e_last[i][:, None] * d_kdec[i] + add_all(dot(mm(d_qk[m, i], st), q[m], st, ta=True) for m in range(i, nb))
-        store(r["dk"], rows[i], 0, dk, st, None if st.has_beta else kcols)
-        if st.has_beta:
-            store(r["dw"], rows[i], 0, d_w[i], st)
+            qk[i, j] = qk[i, j] + dot(q[i], k[j], st, tb=True)
+        for i in range(nb):
+            dq = (st.scale * gamma[i])[:, None] * d_qg[i] + add_all(dot(mm(d_qk[i, j], st), k[j], st)
+                                                                   for j in range(i + 1))
+            store(r["dq"], rows[i], k0, dq, st, kcols)
+            dk = e_last[i][:, None] * d_kdec[i] + add_all(dot(mm(d_qk[m, i], st), q[m], st, ta=True)
+                                                           for m in range(i, nb))
+            store(r["dk"], rows[i], k0, dk, st, None if st.has_beta else kcols)
+            if st.has_beta:
+                store(r["dw"], rows[i], k0, d_w[i], st)
+            d_gamma[i] = d_gamma[i] + jnp.sum(q[i].astype(F32) * d_qg[i], axis=1)
+            d_elast[i] = d_elast[i] + jnp.sum(k[i].astype(F32) * d_kdec[i], axis=1)
     d_exp = {key: d_qk[key] * qk[key] for key in pairs}
-    d_gamma = [st.scale * jnp.sum(q[i].astype(F32) * d_qg[i], axis=1) * gamma[i] for i in range(nb)]
-    d_elast = [jnp.sum(k[i].astype(F32) * d_kdec[i], axis=1) * e_last[i] for i in range(nb)]
+    d_gamma = [st.scale * d_gamma[i] * gamma[i] for i in range(nb)]
+    d_elast = [d_elast[i] * e_last[i] for i in range(nb)]
     dla = dec.grad(d_exp, d_gamma, d_elast, d_decay * dec.chunk_decay())
     for i in range(nb):
         store_vec(r["dla"], rows[i], dla[i], st)
@@ -165,31 +189,29 @@ def _dqk_kernel(*refs, names, st: Static):
 
 def _wy_kernel(*refs, names, st: Static):
     """One chunk: reverse mode of u = T (beta v), w = T (beta gamma k), T = (I + A)^-1, given du = dD and
-    dw; adds dk1 and dla1 (from _dqk_kernel) into the final dk and d log_alpha.
+    dw; adds dk1 and dla1 (from _dqk_kernel) into the final dk and d log_alpha. T is read (the backward's
+    precompute stores it), so the chunk is cut into ``st.block("wy")`` sub-blocks (one [C, C] tile at C),
+    not necessarily the UT transform's 16 x 16 ones.
 
     With d_bv = T^T du and d_bgk = T^T dw: dA = -(d_bv u^T + d_bgk w^T) (T^T du = d_bv, T (beta v) = u)."""
     r = named(refs, names)
-    sb = UT_BLOCK
+    sb = st.block("wy")
     rows = chunk_rows(st, sb)
     nb = len(rows)
     pairs = [(i, j) for i in range(nb) for j in range(i + 1)]
     kcols, vcols = col_bound(st.dk, st.dkp), col_bound(st.dv, st.dvp)
     beta = [load_vec(r["beta"], row, sb, st) for row in rows]
-    k = [load(r["k"], row, sb, 0, st.dkp, st, kcols) for row in rows]
-    dec = Decays([load_vec(r["la"], row, sb, st) for row in rows], sb, st)
-    t, kk, g = ut_blocks(k, beta, dec, st)
-    t = {key: mm(x, st) for key, x in t.items()}
-    gamma = [dec.gamma(i) for i in range(nb)]
+    t = {(i, j): load(r["t"], rows[i], sb, j * sb, sb, st) for i, j in pairs}
     dw = [mm(load(r["dw"], row, sb, 0, st.dkp, st), st) for row in rows]
-    w = [load(r["w"], row, sb, 0, st.dkp, st) for row in rows]
     d_bgk = [add_all(dot(t[i, j], dw[i], st, ta=True) for i in range(j, nb)) for j in range(nb)]
+    w = [load(r["w"], row, sb, 0, st.dkp, st) for row in rows]
     d_a = {(i, j): -dot(mm(d_bgk[i], st), w[j], st, tb=True) for i, j in pairs}
     dbeta = [jnp.zeros((sb,), F32)] * nb
     bv = st.block_v()
     for c0 in range(0, st.dvp, bv):
         du = [mm(load(r["dd"], row, sb, c0, bv, st), st) for row in rows]
-        u = [load(r["u"], row, sb, c0, bv, st) for row in rows]
         d_bv = [add_all(dot(t[i, j], du[i], st, ta=True) for i in range(j, nb)) for j in range(nb)]
+        u = [load(r["u"], row, sb, c0, bv, st) for row in rows]
         for i, j in pairs:
             d_a[i, j] = d_a[i, j] - dot(mm(d_bv[i], st), u[j], st, tb=True)
         for i, row in enumerate(rows):
@@ -197,11 +219,18 @@ def _wy_kernel(*refs, names, st: Static):
             dbeta[i] = dbeta[i] + jnp.sum(v * d_bv[i], axis=1)
             store(r["dv"], row, c0, beta[i][:, None] * d_bv[i], st, vcols)
     # A = strict(beta_t (k k^T) * G): g is the strict decay, so d_a outside A's support drops out here
+    k = [load(r["k"], row, sb, 0, st.dkp, st, kcols) for row in rows]
+    dec = Decays([load_vec(r["la"], row, sb, st) for row in rows], sb, st)
+    gamma = [dec.gamma(i) for i in range(nb)]
     k_bgk = [jnp.sum(k[i].astype(F32) * d_bgk[i], axis=1) for i in range(nb)]
-    d_kk = {(i, j): d_a[i, j] * beta[i][:, None] * g[i, j] for i, j in pairs}
+    kk = {(i, j): dot(k[i], k[j], st, tb=True) for i, j in pairs}
+    d_kk = {}
+    for i, j in pairs:
+        d_akg = d_a[i, j] * dec.G(i, j, strict=True)
+        d_kk[i, j] = d_akg * beta[i][:, None]
+        dbeta[i] = dbeta[i] + jnp.sum(d_akg * kk[i, j], axis=1)
     for i, row in enumerate(rows):
-        dbeta[i] = (dbeta[i] + gamma[i] * k_bgk[i]
-                    + add_all(jnp.sum(d_a[i, j] * kk[i, j] * g[i, j], axis=1) for j in range(i + 1)))
+        dbeta[i] = dbeta[i] + gamma[i] * k_bgk[i]
         dk = ((beta[i] * gamma[i])[:, None] * d_bgk[i] + load(r["dk1"], row, sb, 0, st.dkp, st)
               + add_all(dot(mm(d_kk[i, j], st), k[j], st) for j in range(i + 1))
               + add_all(dot(mm(d_kk[m, i], st), k[m], st, ta=True) for m in range(i, nb)))
@@ -283,7 +312,7 @@ def wy_call(st: Static, k, v, la, beta, pre: dict, dd, dqk: dict) -> dict:
     sk = lambda x: seq_arg(x, st, st.dkp)  # noqa: E731
     sv = lambda x: seq_arg(x, st, st.dvp)  # noqa: E731
     inputs = dict(k=sk(k), v=sv(v), la=(la, vec_spec(st)), beta=(beta, vec_spec(st)), w=sk(pre["w"]),
-                  u=sv(pre["u"]), dw=sk(dqk["dw"]), dd=sv(dd), dk1=sk(dqk["dk"]), dla1=(dqk["dla"], vec_spec(st)))
+                  u=sv(pre["u"]), t=seq_arg(pre["t"], st, st.chunk), dw=sk(dqk["dw"]), dd=sv(dd), dk1=sk(dqk["dk"]), dla1=(dqk["dla"], vec_spec(st)))
     outputs = dict(dk=seq_out(st, bh, st.dkp, k.dtype, st.dk), dv=seq_out(st, bh, st.dvp, v.dtype, st.dv),
                    dbeta=vec_out(st, bh), dla=vec_out(st, bh))
     return call(_wy_kernel, st, st.n_chunks, inputs, outputs, name="ssd_wy_bwd")
@@ -293,7 +322,7 @@ def backward(st: Static, q, k, v, la, beta, s0, do, dfinal):
     """Cotangents (dq, dk, dv, d log_alpha, dbeta or None, d initial_state) of ``ssd._ssd``."""
     do = do.astype(v.dtype)
     dfinal = dfinal.astype(F32)
-    pre = ssd.precompute_call(st, k, v, la, beta)
+    pre = ssd.precompute_call(st, k, v, la, beta, emit_t=True)
     states = ssd.state_call(st, k, v, la, s0, pre, emit_delta=True)
     dout = dout_call(st, q, k, la, do, pre)
     rev = reverse_call(st, q, k, la, do, pre, dout, dfinal)
