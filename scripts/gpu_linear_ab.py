@@ -39,10 +39,12 @@ def main():
     ap.add_argument("--deadline", type=float, default=200.0)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--first", type=int, default=0, help="start at this entry of SHAPES (skip measured ones)")
+    ap.add_argument("--only", default="", help="comma-separated entries of SHAPES to run, in this order")
     args = ap.parse_args()
     rows, path = [], os.path.join(args.out, "linear_ab.json")
     timing = dict(target_ms=1.0, reps=1, min_iters=1) if args.smoke else dict(target_ms=40.0, reps=5)
-    for b, h, t, d, dtype, with_beta in (SMOKE if args.smoke else SHAPES[args.first:]):
+    shapes = SHAPES[args.first:] if not args.only else [SHAPES[int(i)] for i in args.only.split(",")]
+    for b, h, t, d, dtype, with_beta in (SMOKE if args.smoke else shapes):
         if time.perf_counter() - T0 > args.deadline:
             log("deadline: stop before", (b, h, t, d, dtype, with_beta))
             break

@@ -45,6 +45,8 @@ from _gpu_common import T0, bench, log, rel  # noqa: E402
 RESULTS: dict = {"errors": {}, "kernels": [], "end_to_end": [], "failures": []}
 OUT_DIR: list = [None]
 BENCH_KW: dict = {}          # --smoke: one short sample
+KERNELS_ONLY: set = set()    # --kernels: time only these kernels in the kernels / variants steps
+SHIPPED_ONLY: list = [False]  # --shipped-only: not the other form of the sequential passes
 
 
 def timed(fn, *a):
@@ -131,6 +133,7 @@ def kernel_fn(name, st):
     bwd = ssd_bwd
     return jax.jit({
         "precompute": lambda k, v, la, b: ssd.precompute_call(st, k, v, la, b),
+        "precompute_bwd": lambda k, v, la, b: ssd.precompute_call(st, k, v, la, b, emit_t=True),
         "state": lambda k, v, la, s0, pre: ssd.state_call(st, k, v, la, s0, pre, emit_delta=True),
         "out": lambda q, k, v, la, pre, sts: ssd.output_call(st, q, k, v, la, pre, sts),
         "dout": lambda q, k, la, do, pre: bwd.dout_call(st, q, k, la, do, pre),
@@ -157,21 +160,23 @@ def kernel_args(st, q, k, v, la, beta, do):
     args["dqk"] = (q, k, v, la, do, pre, states, dout, rev)
     if st.has_beta:
         dqk = kernel_fn("dqk", st)(*args["dqk"])
-        args["wy"] = (k, v, la, beta, pre, rev["dd"] if "dd" in rev else dqk["dd_out"], dqk)
+        args["precompute_bwd"] = (k, v, la, beta)             # the backward's precompute also stores T
+        pre_bwd = kernel_fn("precompute_bwd", st)(k, v, la, beta)
+        args["wy"] = (k, v, la, beta, pre_bwd, rev["dd"] if "dd" in rev else dqk["dd_out"], dqk)
     return args
 
 
 KERNEL_VARIANTS = {
     # kernel -> {label: config overrides}
-    "state": {"bv16 w4": dict(state_block_v=16, state_warps=4), "bv16 w8": dict(state_block_v=16, state_warps=8),
-              "bv32 w4": dict(state_block_v=32, state_warps=4), "bv32 w8": dict(state_block_v=32, state_warps=8),
-              "bv64 w8": dict(state_block_v=64, state_warps=8),
-              "bv16 w4 tf32x3": dict(state_block_v=16, state_warps=4, f32_dot="tf32x3"),
-              "bv16 w4 s1": dict(state_block_v=16, state_warps=4, state_stages=1),
-              "bv16 w4 s3": dict(state_block_v=16, state_warps=4, state_stages=3)},
-    "reverse": {"bv16 w4": dict(state_block_v=16, state_warps=4), "bv16 w8": dict(state_block_v=16, state_warps=8),
-                "bv32 w8": dict(state_block_v=32, state_warps=8),
-                "bv16 w4 tf32x3": dict(state_block_v=16, state_warps=4, f32_dot="tf32x3")},
+    # shipped H200 float32 dk64: state_block_v 16, 4 warps, 2 stages, tf32x3
+    "state": {"bv16 w4 s3": dict(state_block_v=16, state_warps=4, state_stages=3),
+              "bv16 w2 s3": dict(state_block_v=16, state_warps=2, state_stages=3),
+              "bv16 w4 s4": dict(state_block_v=16, state_warps=4, state_stages=4)},
+    # (session 11, f32 dk64 two-product form: state bv16 w4 s2 0.573 ms, s3 0.511, s1 0.670, bv32 w4 0.610,
+    # w8 0.91-1.12; reverse bv16 w4 s2 0.732, bv32 w4 0.859, s1 0.905, w8 1.13-1.28)
+    "reverse": {"bv16 w4 s3": dict(state_block_v=16, state_warps=4, state_stages=3),
+                "bv16 w2 s2": dict(state_block_v=16, state_warps=2, state_stages=2),
+                "bv16 w2 s3": dict(state_block_v=16, state_warps=2, state_stages=3)},
     "precompute": {"w4": dict(num_warps=4), "w2": dict(num_warps=2), "w8": dict(num_warps=8),
                    "w4 tf32x3": dict(num_warps=4, f32_dot="tf32x3")},
     "out": {"b16 w4": dict(block=16, num_warps=4), "b32 w4": dict(block=32, num_warps=4),
@@ -179,28 +184,36 @@ KERNEL_VARIANTS = {
             "b64 w8": dict(block=64, num_warps=8), "b16 w4 tf32x3": dict(block=16, f32_dot="tf32x3"),
             "b64 w4 tf32x3": dict(block=64, f32_dot="tf32x3")},
     "dout": {"b16 w4": dict(block=16), "b32 w4": dict(block=32), "b64 w4": dict(block=64)},
-    "dqk": {"b16 w4": dict(block=16, num_warps=4), "b32 w4": dict(block=32, num_warps=4),
-            "b16 w8": dict(block=16, num_warps=8), "b32 w8": dict(block=32, num_warps=8)},
-    "wy": {"w4": dict(num_warps=4), "w8": dict(num_warps=8), "w4 tf32x3": dict(num_warps=4, f32_dot="tf32x3"),
-           "w4 small tf32x3": dict(num_warps=4, f32_dot="tf32x3", small_f32_dot=True),
-           "w8 small tf32x3": dict(num_warps=8, f32_dot="tf32x3", small_f32_dot=True)},
+    # (session 11, f32 dk64: b64 w4 1.39 ms, b16 w4 5.81, b32 w4 9.72)
+    "dqk": {"bk64 w8": dict(dqk_block_k=64, num_warps=8), "bk64 w4": dict(dqk_block_k=64, num_warps=4),
+            "bk32 w4": dict(dqk_block_k=32, num_warps=4), "b64 w8": dict(block=64, num_warps=8),
+            "b64 w4 bv32": dict(block=64, block_v=32)},
+    # (session 11, f32 dk64: wy_block 64 w4 1.21 ms, w8 2.22, block_v 32 1.49 / 2.38 w8, block 32 w8 18.4)
+    # (bf16 dk128: wb16 w4 0.924, wb32 w4 2.04, wb64 w4 2.31, w8 1.35 / 3.35 / 3.20; f32 dk128: wb64 w4 2.80,
+    # w8 3.19, wb32 w4 20.4)
+    "wy": {"wb64 w4": dict(blocks=(("wy", 64),), num_warps=4), "wb16 w4": dict(blocks=(("wy", 16),), num_warps=4),
+           "wb16 w2": dict(blocks=(("wy", 16),), num_warps=2), "wb16 w8": dict(blocks=(("wy", 16),), num_warps=8)},
 }
 
 
 def time_kernels(label, shape, dtype, with_beta, interpret, variants=(), deadline=1e9):
-    """Each kernel of the shipped config, of the shipped config with the other state form (``transition``
-    flipped), and the KERNEL_VARIANTS of the kernels named in ``variants`` (overrides of the shipped config)."""
+    """Each kernel of the shipped config (those in KERNELS_ONLY when set), of the shipped config with the other
+    state form (``transition`` flipped; not with SHIPPED_ONLY), and the KERNEL_VARIANTS of the kernels named
+    in ``variants`` (overrides of the shipped config)."""
     b, h, t, d = shape
     q, k, v, la, beta, do = inputs(b, h, t, d, d, dtype, seed=7, with_beta=with_beta)
     base = ssd.make_static(q, k, v, beta, scale=d ** -0.5, chunk_size=64, interpret=interpret, config=None,
                            device_kind=None)
-    forms = {"shipped": base,
-             f"transition={not base.transition}": dataclasses.replace(
-                 base, config=dataclasses.replace(base.config, transition=not base.transition))}
+    forms = {"shipped": base}
+    if not SHIPPED_ONLY[0]:
+        forms[f"transition={not base.transition}"] = dataclasses.replace(
+            base, config=dataclasses.replace(base.config, transition=not base.transition))
     all_args = {}
     for form, st in forms.items():
         all_args[form] = guarded(f"kernels {label} {form}", kernel_args, st, q, k, v, la, beta, do) or {}
         for name, args in all_args[form].items():
+            if KERNELS_ONLY and name not in KERNELS_ONLY:
+                continue
             res = guarded(f"kernel {name} {form}", timed, kernel_fn(name, st), *args)
             if res is not None:
                 RESULTS["kernels"].append(dict(shape=label, beta=with_beta, kernel=name, variant=form, ms=res[0],
@@ -288,7 +301,13 @@ def main():
                    help="comma-separated: check e2e f32nobeta bf16 alt kernels variants")
     p.add_argument("--variant-kernels", default="wy,dqk,precompute,state,reverse,out,dout",
                    help="kernels whose KERNEL_VARIANTS the variants step times, in this order")
+    p.add_argument("--variant-shapes", default="f32", help="comma-separated shapes of the variants step: "
+                   "f32 (B2 H8 T8192 d64), bf16 (B2 H16 T8192 d128), f32_128 (B2 H8 T8192 d128)")
+    p.add_argument("--kernels", default="", help="comma-separated kernel names to time (default: all)")
+    p.add_argument("--shipped-only", action="store_true", help="time the shipped form only")
     args = p.parse_args()
+    KERNELS_ONLY.update(x for x in args.kernels.split(",") if x)
+    SHIPPED_ONLY[0] = args.shipped_only
     interp = args.smoke
     OUT_DIR[0] = args.out
     if interp:
@@ -338,9 +357,15 @@ def main():
                 args.deadline)
         save(args.out)
     if "variants" in steps:
-        guarded("kernel variants", time_kernels, f32_label, f32_shape, jnp.float32, True, interp,
-                tuple(args.variant_kernels.split(",")), args.deadline)
-        save(args.out)
+        shapes = {"f32": (f32_label, f32_shape, jnp.float32),
+                  "bf16": (bf16_label, bf16_shape, jnp.bfloat16),
+                  "f32_128": ("B2 H8 T8192 d128 f32" if not interp else "smoke f32 d32",
+                              (2, 8, 8192, 128) if not interp else (1, 2, 100, 32), jnp.float32)}
+        for name in args.variant_shapes.split(","):
+            label, shape, dtype = shapes[name]
+            guarded(f"kernel variants {name}", time_kernels, label, shape, dtype, True, interp,
+                    tuple(args.variant_kernels.split(",")), args.deadline)
+            save(args.out)
     print("\n" + table())
     print("\nfailures:", json.dumps(RESULTS["failures"]))
     save(args.out)
