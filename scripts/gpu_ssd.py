@@ -181,9 +181,9 @@ KERNEL_VARIANTS = {
                    "w4 tf32x3": dict(num_warps=4, f32_dot="tf32x3")},
     "out": {"b16 w4": dict(block=16, num_warps=4), "b32 w4": dict(block=32, num_warps=4),
             "b64 w4": dict(block=64, num_warps=4), "b32 w8": dict(block=32, num_warps=8),
-            "b64 w8": dict(block=64, num_warps=8), "b16 w4 tf32x3": dict(block=16, f32_dot="tf32x3"),
-            "b64 w4 tf32x3": dict(block=64, f32_dot="tf32x3")},
-    "dout": {"b16 w4": dict(block=16), "b32 w4": dict(block=32), "b64 w4": dict(block=64)},
+            "b64 w8": dict(block=64, num_warps=8), "b16 w8": dict(block=16, num_warps=8)},
+    "dout": {"b16 w4": dict(block=16, num_warps=4), "b32 w4": dict(block=32, num_warps=4),
+             "b64 w4": dict(block=64, num_warps=4), "b16 w8": dict(block=16, num_warps=8)},
     # (session 11, f32 dk64: b64 w4 1.39 ms, b16 w4 5.81, b32 w4 9.72)
     "dqk": {"bk64 w8": dict(dqk_block_k=64, num_warps=8), "bk64 w4": dict(dqk_block_k=64, num_warps=4),
             "bk32 w4": dict(dqk_block_k=32, num_warps=4), "b64 w8": dict(block=64, num_warps=8),
