@@ -174,7 +174,8 @@ KERNEL_VARIANTS = {
               "bv16 w4 s4": dict(state_block_v=16, state_warps=4, state_stages=4)},
     # (session 11, f32 dk64 two-product form: state bv16 w4 s2 0.573 ms, s3 0.511, s1 0.670, bv32 w4 0.610,
     # w8 0.91-1.12; reverse bv16 w4 s2 0.732, bv32 w4 0.859, s1 0.905, w8 1.13-1.28)
-    "reverse": {"bv16 w4 s3": dict(state_block_v=16, state_warps=4, state_stages=3),
+    "reverse": {"rinc": dict(reverse_rinc=True), "rinc s2": dict(reverse_rinc=True, state_stages=2),
+                "bv16 w4 s3": dict(state_block_v=16, state_warps=4, state_stages=3),
                 "bv16 w2 s2": dict(state_block_v=16, state_warps=2, state_stages=2),
                 "bv16 w2 s3": dict(state_block_v=16, state_warps=2, state_stages=3)},
     "precompute": {"w4": dict(num_warps=4), "w2": dict(num_warps=2), "w8": dict(num_warps=8),
@@ -182,7 +183,7 @@ KERNEL_VARIANTS = {
     "out": {"b16 w4": dict(block=16, num_warps=4), "b32 w4": dict(block=32, num_warps=4),
             "b64 w4": dict(block=64, num_warps=4), "b32 w8": dict(block=32, num_warps=8),
             "b64 w8": dict(block=64, num_warps=8), "b16 w8": dict(block=16, num_warps=8)},
-    "dout": {"b16 w4": dict(block=16, num_warps=4), "b32 w4": dict(block=32, num_warps=4),
+    "dout": {"rinc": dict(reverse_rinc=True), "b16 w4": dict(block=16, num_warps=4), "b32 w4": dict(block=32, num_warps=4),
              "b64 w4": dict(block=64, num_warps=4), "b16 w8": dict(block=16, num_warps=8)},
     # (session 11, f32 dk64: b64 w4 1.39 ms, b16 w4 5.81, b32 w4 9.72)
     "dqk": {"bk64 w8": dict(dqk_block_k=64, num_warps=8), "bk64 w4": dict(dqk_block_k=64, num_warps=4),
@@ -194,6 +195,9 @@ KERNEL_VARIANTS = {
     "wy": {"wb64 w4": dict(blocks=(("wy", 64),), num_warps=4), "wb16 w4": dict(blocks=(("wy", 16),), num_warps=4),
            "wb16 w2": dict(blocks=(("wy", 16),), num_warps=2), "wb16 w8": dict(blocks=(("wy", 16),), num_warps=8)},
 }
+
+
+CHAIN_FIELDS = {"reverse_rinc", "transition"}     # config fields that change what the kernels pass each other
 
 
 def time_kernels(label, shape, dtype, with_beta, interpret, variants=(), deadline=1e9):
@@ -228,7 +232,15 @@ def time_kernels(label, shape, dtype, with_beta, interpret, variants=(), deadlin
                     log("deadline: skipping the remaining kernel variants")
                     return
                 st = dataclasses.replace(st0, config=dataclasses.replace(st0.config, **over))
-                res = guarded(f"kernel {name} {form} {vlabel}", timed, kernel_fn(name, st), *all_args[form][name])
+                args = all_args[form][name]
+                if set(over) & CHAIN_FIELDS:      # the kernel's inputs differ: run this variant's own chain
+                    key = (form, tuple(sorted((f, over[f]) for f in set(over) & CHAIN_FIELDS)))
+                    if key not in all_args:
+                        all_args[key] = guarded(f"kernels {label} {key}", kernel_args, st, q, k, v, la, beta, do) or {}
+                    if name not in all_args[key]:
+                        continue
+                    args = all_args[key][name]
+                res = guarded(f"kernel {name} {form} {vlabel}", timed, kernel_fn(name, st), *args)
                 if res is not None:
                     RESULTS["kernels"].append(dict(shape=label, beta=with_beta, kernel=name, variant=f"{form} {vlabel}",
                                                    ms=res[0], compile_s=res[1]))

@@ -64,6 +64,12 @@ class Static:
         return self.config.transition
 
     @property
+    def reverse_rinc(self) -> bool:
+        """Whether the two-product form's reverse pass takes R_n from the dout kernel
+        (``SSDConfig.reverse_rinc``; with beta only: without beta the transition form is that already)."""
+        return self.config.reverse_rinc and self.has_beta and not self.transition
+
+    @property
     def mm_dtype(self):
         """Operand dtype of the products of data-sized tiles: the input dtype."""
         return jnp.dtype(self.dtype)

@@ -360,6 +360,9 @@ class SSDConfig:
     :data:`SSD_KERNELS`. ``blocks``: per-kernel sub-block sizes that override ``block`` in the chunk kernels
     (out, dout, dqk, wy), as pairs (kernel, block). ``dqk_block_k``: the dqk backward kernel does the dk
     columns in passes of this many (fewer live float32 accumulators at large dk; None: one pass).
+    ``reverse_rinc`` (two-product form with beta): the dout kernel also forms the adjoint-independent part
+    R_n = q_g^T dO - w^T P^T dO of each reverse step (as in the transition form), so the sequential reverse
+    pass chains two products per chunk instead of three and reads neither q nor dO.
     """
 
     block: int = 16
@@ -375,6 +378,7 @@ class SSDConfig:
     warps: tuple = ()
     blocks: tuple = ()
     dqk_block_k: int | None = None
+    reverse_rinc: bool = False
 
     def __post_init__(self):
         for name in ("block", "block_v", "state_block_v", "max_chunk", "dqk_block_k"):
@@ -390,6 +394,8 @@ class SSDConfig:
             raise ValueError(f"SSDConfig: state_stages must be a positive int, got {self.state_stages!r}")
         if self.f32_dot not in ("ieee", "tf32x3"):
             raise ValueError(f"SSDConfig: f32_dot must be 'ieee' or 'tf32x3', got {self.f32_dot!r}")
+        if not isinstance(self.reverse_rinc, bool):
+            raise ValueError(f"SSDConfig: reverse_rinc must be a bool, got {self.reverse_rinc!r}")
         if not isinstance(self.small_f32_dot, bool):
             raise ValueError(f"SSDConfig: small_f32_dot must be a bool, got {self.small_f32_dot!r}")
         for pair in self.warps:

@@ -39,8 +39,8 @@ from flashlax.kernels._tiles import sum_all
 
 
 def _dout_kernel(*refs, names, st: Static):
-    """One chunk: P^T dO (float32); with ``st.transition`` also R = q_g^T dO - w^T P^T dO [dk, dv], the
-    part of the adjoint step that does not depend on the adjoint."""
+    """One chunk: P^T dO (float32); with ``st.transition`` or ``st.reverse_rinc`` also R = q_g^T dO - w^T P^T dO
+    [dk, dv], the part of the adjoint step that does not depend on the adjoint."""
     r = named(refs, names)
     sb = st.block("dout")
     rows = chunk_rows(st, sb)
@@ -50,7 +50,7 @@ def _dout_kernel(*refs, names, st: Static):
     k = [load(r["k"], row, sb, 0, st.dkp, st, kcols) for row in rows]
     dec = Decays([load_vec(r["la"], row, sb, st) for row in rows], sb, st)
     p = {key: mm(x, st) for key, x in p_blocks(q, k, dec, st).items()}
-    if st.transition:
+    if "rinc" in r:
         q_g = [mm((st.scale * dec.gamma(i))[:, None] * q[i].astype(F32), st) for i in range(nb)]
         w = [load(r["w"], row, sb, 0, st.dkp, st) for row in rows] if st.has_beta else None
     row_m = pl.program_id(0) * st.dkp
@@ -60,7 +60,7 @@ def _dout_kernel(*refs, names, st: Static):
         ddl = [add_all(dot(p[i, j], do[i], st, ta=True) for i in range(j, nb)) for j in range(nb)]
         for j in range(nb):
             store(r["ddl"], rows[j], c0, ddl[j], st)
-        if st.transition:
+        if "rinc" in r:
             rinc = add_all(dot(q_g[i], do[i], st, ta=True) for i in range(nb))
             if st.has_beta:
                 rinc = rinc - add_all(dot(w[j], mm(ddl[j], st), st, ta=True) for j in range(nb))
@@ -70,7 +70,9 @@ def _dout_kernel(*refs, names, st: Static):
 def _reverse_kernel(*refs, names, st: Static):
     """Adjoint recurrence for dv columns [iv * bv, (iv + 1) * bv), chunks last to first: stores dh_n (the
     adjoint of S_{n+1}), then adj <- M_n^T adj + R_n (``st.transition``; without beta g adj + R_n), or
-    dD = P^T dO + k_dec adj (stored; without beta it is dv), adj <- q_g^T dO + g adj - w^T dD."""
+    dD = P^T dO + k_dec adj (stored; without beta it is dv), adj <- q_g^T dO + g adj - w^T dD; with
+    ``st.reverse_rinc`` the same with R_n from the dout kernel: x = k_dec adj, dD = P^T dO + x (stored),
+    adj <- g adj + R_n - w^T x (two products in the chain instead of three, no q or dO read)."""
     r = named(refs, names)
     bv, col0, c, kcols, vcols = sequential_program(st)
 
@@ -85,6 +87,11 @@ def _reverse_kernel(*refs, names, st: Static):
             return jnp.exp(jnp.sum(load_vec(r["la"], r0, c, st))) * adj + rinc
         gamma, e_last, decay = chunk_vectors(load_vec(r["la"], r0, c, st), st)
         k_dec = mm(load(r["k"], r0, c, 0, st.dkp, st, kcols).astype(F32) * e_last[:, None], st)
+        if "rinc" in r:
+            x = dot(k_dec, mm(adj, st), st)
+            store(r["dd"], r0, col0, load(r["ddl"], r0, c, col0, bv, st) + x, st)
+            return (decay * adj + load_square(r["rinc"], row_m, col0, st, bv)
+                    - dot(load(r["w"], r0, c, 0, st.dkp, st), mm(x, st), st, ta=True))
         dd = load(r["ddl"], r0, c, col0, bv, st) + dot(k_dec, mm(adj, st), st)
         store(r["dd"], r0, col0, dd, st, None if st.has_beta else vcols)
         q_g = mm((st.scale * gamma)[:, None] * load(r["q"], r0, c, 0, st.dkp, st, kcols).astype(F32), st)
@@ -247,12 +254,13 @@ def _wy_kernel(*refs, names, st: Static):
 # ----------------------------------------------------------------------------------------------------
 
 def dout_call(st: Static, q, k, la, do, pre: dict) -> dict:
-    """{"ddl": P^T dO [B, H, T, dvp] float32, and with ``st.transition`` "rinc": R [B, H, N * dkp, dvp]}."""
+    """{"ddl": P^T dO [B, H, T, dvp] float32, and with ``st.transition`` or ``st.reverse_rinc`` "rinc": R [B, H,
+    N * dkp, dvp]}."""
     bh = q.shape[:2]
     inputs = dict(q=seq_arg(q, st, st.dkp), k=seq_arg(k, st, st.dkp), la=(la, vec_spec(st)),
                   do=seq_arg(do, st, st.dvp))
     outputs = {"ddl": seq_out(st, bh, st.dvp, F32)}
-    if st.transition:
+    if st.transition or st.reverse_rinc:
         if st.has_beta:
             inputs["w"] = seq_arg(pre["w"], st, st.dkp)
         outputs["rinc"] = per_chunk_out(st, bh, st.dvp)
@@ -268,6 +276,9 @@ def reverse_call(st: Static, q, k, la, do, pre: dict, dout: dict, dfinal) -> dic
         inputs["rinc"] = per_chunk_arg(dout["rinc"], st)
         if st.has_beta:
             inputs["m"] = per_chunk_arg(pre["m"], st)
+    elif st.reverse_rinc:
+        inputs.update(k=seq_arg(k, st, st.dkp), ddl=seq_arg(dout["ddl"], st, st.dvp),
+                      w=seq_arg(pre["w"], st, st.dkp), rinc=per_chunk_arg(dout["rinc"], st))
     else:
         inputs.update(q=seq_arg(q, st, st.dkp), k=seq_arg(k, st, st.dkp), do=seq_arg(do, st, st.dvp),
                       ddl=seq_arg(dout["ddl"], st, st.dvp))
