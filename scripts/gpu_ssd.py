@@ -11,7 +11,7 @@ Steps (``--steps``, in this order):
              difference from chunked over the output and every gradient;
   f32nobeta  the same without beta, chunked and ssd only;
   bf16       B2 H16 T8192 dk=dv=128 bfloat16 forward with beta: chunked and ssd;
-  alt        the forward of ssd and ssd/alt at both shapes, in one process;
+  alt        ssd, ssd/alt and ssd/alt+mh (SSDConfig.mh_kernel) fwd and fwd+bwd (float32), fwd (bf16), one process;
   kernels    each kernel of the forward and backward alone, both forms (float32 and bf16 shapes);
   variants   each kernel of both forms again, then the KERNEL_VARIANTS (config overrides) of the kernels
              named by ``--variant-kernels`` (wy first), until ``--deadline`` seconds.
@@ -178,7 +178,8 @@ KERNEL_VARIANTS = {
                 "bv16 w4 s3": dict(state_block_v=16, state_warps=4, state_stages=3),
                 "bv16 w2 s2": dict(state_block_v=16, state_warps=2, state_stages=2),
                 "bv16 w2 s3": dict(state_block_v=16, state_warps=2, state_stages=3)},
-    "precompute": {"w4": dict(num_warps=4), "w2": dict(num_warps=2), "w8": dict(num_warps=8),
+    "precompute": {"transition": dict(transition=True), "transition mh": dict(transition=True, mh_kernel=True),
+                   "w4": dict(num_warps=4), "w2": dict(num_warps=2), "w8": dict(num_warps=8),
                    "w4 tf32x3": dict(num_warps=4, f32_dot="tf32x3")},
     "out": {"b16 w4": dict(block=16, num_warps=4), "b32 w4": dict(block=32, num_warps=4),
             "b64 w4": dict(block=64, num_warps=4), "b32 w8": dict(block=32, num_warps=8),
@@ -253,7 +254,8 @@ def time_kernels(label, shape, dtype, with_beta, interpret, variants=(), deadlin
 
 def ssd_variant(label, dims, dtype, interpret, with_beta=True):
     """Keyword arguments of gated_delta_rule_ssd for an end-to-end label: "ssd" (shipped config), "ssd/alt"
-    (shipped with the form of the sequential passes flipped), "+tf32x3" suffix (f32_dot="tf32x3")."""
+    (shipped with the form of the sequential passes flipped), "+tf32x3" suffix (f32_dot="tf32x3"), "+mh" suffix
+    (SSDConfig.mh_kernel: the transition form's M and H from their own kernel)."""
     cfg = ssd_config(dims, dims, dtype) if not interpret else None
     if cfg is None:
         from flashlax.kernels.configs import SSDConfig
@@ -263,6 +265,8 @@ def ssd_variant(label, dims, dtype, interpret, with_beta=True):
         cfg = dataclasses.replace(cfg, transition=not form)
     if "tf32x3" in label:
         cfg = dataclasses.replace(cfg, f32_dot="tf32x3")
+    if "+mh" in label:
+        cfg = dataclasses.replace(cfg, mh_kernel=True)
     return dict(interpret=interpret, config=cfg)
 
 
@@ -358,7 +362,8 @@ def main():
     if "bf16" in steps:           # the bf16 forward target (with beta)
         time_end_to_end(bf16_label, bf16_shape, jnp.bfloat16, True, ("fwd",), ("chunked", "ssd"), interp)
     if "alt" in steps:            # the other form of the sequential passes, same process
-        time_end_to_end(f32_label, f32_shape, jnp.float32, True, ("fwd",), variants, interp)
+        time_end_to_end(f32_label, f32_shape, jnp.float32, True, ("fwd", "fwd_bwd"), variants + ("ssd/alt+mh",),
+                        interp)
         time_end_to_end(bf16_label, bf16_shape, jnp.bfloat16, True, ("fwd",), variants, interp)
     save(args.out)
     if "kernels" in steps:

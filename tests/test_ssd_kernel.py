@@ -259,21 +259,24 @@ def test_config_validation():
         SSDConfig(dqk_block_k=48)
     with pytest.raises(ValueError, match="reverse_rinc"):
         SSDConfig(reverse_rinc=1)
+    with pytest.raises(ValueError, match="mh_kernel"):
+        SSDConfig(mh_kernel="yes")
 
 
-@pytest.mark.parametrize("with_beta, transition, rinc", [(True, False, False), (True, False, True),
-                                                       (True, True, False), (False, True, False)])
-def test_per_kernel_blocks_match(with_beta, transition, rinc):
+@pytest.mark.parametrize("with_beta, transition, rinc, mh", [(True, False, False, False), (True, False, True, False),
+                                                           (True, True, False, True), (False, True, False, True)])
+def test_per_kernel_blocks_match(with_beta, transition, rinc, mh):
     """SSDConfig.blocks and dqk_block_k: each chunk kernel cut into its own sub-blocks (the wy kernel reads T
     by [16, 16] tiles while the output and dqk kernels work on one [64, 64] tile, dout on [32, 32] ones) and
     the dqk kernel doing dk in two passes of 16 columns (D read per pass in the two-product form, formed
     again per pass as u - w S in the transition form with beta; dD formed in each pass and stored in the
     first in the transition form); with ``reverse_rinc`` the two-product form's reverse pass takes the
-    adjoint-independent part of each step from the dout kernel. Outputs and every gradient still match the
-    float64 recurrence, with a partial last chunk and an initial state."""
+    adjoint-independent part of each step from the dout kernel; with ``mh_kernel`` the transition form's M and
+    H come from their own kernel (a no-op without beta). Outputs and every gradient still match the float64
+    recurrence, with a partial last chunk and an initial state."""
     cfg = dataclasses.replace(ssd_config(64, 64, jnp.float32, "NVIDIA H200"), f32_dot="ieee",
                               blocks=(("wy", 16), ("dout", 32)), dqk_block_k=16, transition=transition,
-                              reverse_rinc=rinc)
+                              reverse_rinc=rinc, mh_kernel=mh)
     inputs = make_inputs(31, 1, 2, 160, 32, 16, la_lo=-0.1, with_beta=with_beta, with_state=True)
     assert_close(errors(ssd(64, config=cfg), inputs, seed=31), TOLERANCES["float32"])
 

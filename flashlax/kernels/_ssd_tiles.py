@@ -64,6 +64,12 @@ class Static:
         return self.config.transition
 
     @property
+    def mh_kernel(self) -> bool:
+        """Whether the transition form's M and H are formed by their own kernel (``SSDConfig.mh_kernel``; with
+        beta only), not by the precompute."""
+        return self.config.mh_kernel and self.has_beta and self.transition
+
+    @property
     def reverse_rinc(self) -> bool:
         """Whether the two-product form's reverse pass takes R_n from the dout kernel
         (``SSDConfig.reverse_rinc``; with beta only: without beta the transition form is that already)."""

@@ -333,8 +333,8 @@ def num_sms(device_kind: str | None = None) -> int:
 # ----------------------------------------------------------------------------------------------------
 
 # The ssd kernels by name (SSDConfig.warps; the pallas_call names are "ssd_<name>", the wy one "ssd_wy_bwd").
-SSD_KERNELS = ("precompute", "state", "out", "dout", "reverse", "dqk", "wy")
-SSD_BLOCK_KERNELS = ("out", "dout", "dqk", "wy")     # the chunk kernels whose sub-block SSDConfig.blocks sets
+SSD_KERNELS = ("precompute", "mh", "state", "out", "dout", "reverse", "dqk", "wy")
+SSD_BLOCK_KERNELS = ("mh", "out", "dout", "dqk", "wy")     # the chunk kernels whose sub-block SSDConfig.blocks sets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -358,11 +358,13 @@ class SSDConfig:
     transition form without beta only (with beta the two-product form). ``warps``: per-kernel warp counts
     that override ``num_warps`` / ``state_warps``, as pairs (kernel, warps) with kernel one of
     :data:`SSD_KERNELS`. ``blocks``: per-kernel sub-block sizes that override ``block`` in the chunk kernels
-    (out, dout, dqk, wy), as pairs (kernel, block). ``dqk_block_k``: the dqk backward kernel does the dk
+    (mh, out, dout, dqk, wy), as pairs (kernel, block). ``dqk_block_k``: the dqk backward kernel does the dk
     columns in passes of this many (fewer live float32 accumulators at large dk; None: one pass).
     ``reverse_rinc`` (two-product form with beta): the dout kernel also forms the adjoint-independent part
     R_n = q_g^T dO - w^T P^T dO of each reverse step (as in the transition form), so the sequential reverse
-    pass chains two products per chunk instead of three and reads neither q nor dO.
+    pass chains two products per chunk instead of three and reads neither q nor dO. ``mh_kernel`` (transition
+    form with beta): M and H are formed by a kernel of their own from the stored w and u, on ``block``
+    sub-blocks, instead of inside the precompute's 16 x 16 UT structure.
     """
 
     block: int = 16
@@ -379,6 +381,7 @@ class SSDConfig:
     blocks: tuple = ()
     dqk_block_k: int | None = None
     reverse_rinc: bool = False
+    mh_kernel: bool = False
 
     def __post_init__(self):
         for name in ("block", "block_v", "state_block_v", "max_chunk", "dqk_block_k"):
@@ -394,8 +397,9 @@ class SSDConfig:
             raise ValueError(f"SSDConfig: state_stages must be a positive int, got {self.state_stages!r}")
         if self.f32_dot not in ("ieee", "tf32x3"):
             raise ValueError(f"SSDConfig: f32_dot must be 'ieee' or 'tf32x3', got {self.f32_dot!r}")
-        if not isinstance(self.reverse_rinc, bool):
-            raise ValueError(f"SSDConfig: reverse_rinc must be a bool, got {self.reverse_rinc!r}")
+        for name in ("reverse_rinc", "mh_kernel"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"SSDConfig: {name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.small_f32_dot, bool):
             raise ValueError(f"SSDConfig: small_f32_dot must be a bool, got {self.small_f32_dot!r}")
         for pair in self.warps:

@@ -60,7 +60,7 @@ def _precompute_kernel(*refs, names, st: Static):
     row_m = pl.program_id(0) * st.dkp
     k = [load(r["k"], row, sb, 0, st.dkp, st, col_bound(st.dk, st.dkp)) for row in rows]
     dec = Decays([load_vec(r["la"], row, sb, st) for row in rows], sb, st)
-    if st.transition:
+    if "inc" in r:
         k_dec = [mm(dec.e_last(i)[:, None] * k[i].astype(F32), st) for i in range(nb)]
     if st.has_beta:
         beta = [load_vec(r["beta"], row, sb, st) for row in rows]
@@ -75,10 +75,8 @@ def _precompute_kernel(*refs, names, st: Static):
         w = [add_all(dot(t[i, j], kb[j], st) for j in range(i + 1)) for i in range(nb)]
         for i in range(nb):
             store(r["w"], rows[i], 0, w[i], st)
-        if st.transition:
-            eye = jnp.where(iota((st.dkp, st.dkp), 0) == iota((st.dkp, st.dkp), 1), dec.chunk_decay(), 0.0)
-            kw = add_all(dot(k_dec[i], mm(w[i], st), st, ta=True) for i in range(nb))
-            store_state(r["m"], row_m, 0, eye - kw, st)
+        if "m" in r:
+            store_state(r["m"], row_m, 0, transition_matrix(k_dec, w, dec, st), st)
     bv = st.block_v()
     for c0 in range(0, st.dvp, bv):
         x = [load(r["v"], row, sb, c0, bv, st, col_bound(st.dv, st.dvp)).astype(F32) for row in rows]
@@ -87,8 +85,33 @@ def _precompute_kernel(*refs, names, st: Static):
             x = [add_all(dot(t[i, j], vb[j], st) for j in range(i + 1)) for i in range(nb)]     # u
             for i in range(nb):
                 store(r["u"], rows[i], c0, x[i], st)
-        if st.transition:
+        if "inc" in r:
             store_state(r["inc"], row_m, c0, add_all(dot(k_dec[i], mm(x[i], st), st, ta=True) for i in range(nb)), st)
+
+
+def transition_matrix(k_dec, w, dec: Decays, st: Static):
+    """M = g I - k_dec^T w [dkp, dkp] float32 of one chunk from its sub-blocks."""
+    eye = jnp.where(iota((st.dkp, st.dkp), 0) == iota((st.dkp, st.dkp), 1), dec.chunk_decay(), 0.0)
+    return eye - add_all(dot(k_dec[i], mm(w[i], st), st, ta=True) for i in range(len(k_dec)))
+
+
+def _mh_kernel(*refs, names, st: Static):
+    """One chunk, the transition form with beta when ``SSDConfig.mh_kernel``: M = g I - k_dec^T w and
+    H = k_dec^T u from the stored w and u, on ``st.block("mh")`` sub-blocks (the precompute's 16 x 16 UT
+    structure does it on [16, dk] pieces)."""
+    r = named(refs, names)
+    sb = st.block("mh")
+    rows = chunk_rows(st, sb)
+    row_m = pl.program_id(0) * st.dkp
+    dec = Decays([load_vec(r["la"], row, sb, st) for row in rows], sb, st)
+    k_dec = [mm(dec.e_last(i)[:, None] * load(r["k"], row, sb, 0, st.dkp, st, col_bound(st.dk, st.dkp)).astype(F32),
+                st) for i, row in enumerate(rows)]
+    store_state(r["m"], row_m, 0,
+                transition_matrix(k_dec, [load(r["w"], row, sb, 0, st.dkp, st) for row in rows], dec, st), st)
+    bv = st.block_v()
+    for c0 in range(0, st.dvp, bv):
+        u = [load(r["u"], row, sb, c0, bv, st) for row in rows]
+        store_state(r["inc"], row_m, c0, add_all(dot(k_dec[i], u[i], st, ta=True) for i in range(len(rows))), st)
 
 
 def _state_kernel(*refs, names, st: Static):
@@ -156,16 +179,21 @@ def precompute_call(st: Static, k, v, la, beta, emit_t: bool = False) -> dict:
         outputs["u"] = seq_out(st, bh, st.dvp, st.mm_dtype)
         if emit_t:
             outputs["t"] = seq_out(st, bh, st.chunk, st.mm_dtype)
-    if st.transition:
-        if st.has_beta:
-            outputs["m"] = per_chunk_out(st, bh, st.dkp)
-        outputs["inc"] = per_chunk_out(st, bh, st.dvp)
+    mh = {"m": per_chunk_out(st, bh, st.dkp), "inc": per_chunk_out(st, bh, st.dvp)} if st.has_beta else {
+        "inc": per_chunk_out(st, bh, st.dvp)}
+    if st.transition and not st.mh_kernel:
+        outputs.update(mh)
     if not outputs:
         return {}
     inputs = dict(k=seq_arg(k, st, st.dkp), v=seq_arg(v, st, st.dvp), la=(la, vec_spec(st)))
     if st.has_beta:
         inputs["beta"] = (beta, vec_spec(st))
-    return call(_precompute_kernel, st, st.n_chunks, inputs, outputs, name="ssd_precompute")
+    pre = call(_precompute_kernel, st, st.n_chunks, inputs, outputs, name="ssd_precompute")
+    if st.transition and st.mh_kernel:
+        pre.update(call(_mh_kernel, st, st.n_chunks, dict(k=seq_arg(k, st, st.dkp), la=(la, vec_spec(st)),
+                                                          w=seq_arg(pre["w"], st, st.dkp),
+                                                          u=seq_arg(pre["u"], st, st.dvp)), mh, name="ssd_mh"))
+    return pre
 
 
 def state_call(st: Static, k, v, la, s0, pre: dict, emit_delta: bool = False) -> dict:
