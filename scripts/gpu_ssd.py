@@ -134,6 +134,7 @@ def kernel_fn(name, st):
     return jax.jit({
         "precompute": lambda k, v, la, b: ssd.precompute_call(st, k, v, la, b),
         "precompute_bwd": lambda k, v, la, b: ssd.precompute_call(st, k, v, la, b, emit_t=True),
+        "mh": lambda k, la, pre: ssd.mh_call(st, k, la, pre),
         "state": lambda k, v, la, s0, pre: ssd.state_call(st, k, v, la, s0, pre, emit_delta=True),
         "out": lambda q, k, v, la, pre, sts: ssd.output_call(st, q, k, v, la, pre, sts),
         "dout": lambda q, k, la, do, pre: bwd.dout_call(st, q, k, la, do, pre),
@@ -149,7 +150,9 @@ def kernel_args(st, q, k, v, la, beta, do):
     args = {}
     pre = kernel_fn("precompute", st)(k, v, la, beta)
     if pre:
-        args["precompute"] = (k, v, la, beta)
+        args["precompute"] = (k, v, la, beta)          # with SSDConfig.mh_kernel: the mh kernel included
+    if st.mh_kernel:
+        args["mh"] = (k, la, pre)
     args["state"] = (k, v, la, s0, pre)
     states = kernel_fn("state", st)(*args["state"])
     args["out"] = (q, k, v, la, pre, states)
@@ -181,6 +184,8 @@ KERNEL_VARIANTS = {
     "precompute": {"transition": dict(transition=True), "transition mh": dict(transition=True, mh_kernel=True),
                    "w4": dict(num_warps=4), "w2": dict(num_warps=2), "w8": dict(num_warps=8),
                    "w4 tf32x3": dict(num_warps=4, f32_dot="tf32x3")},
+    "mh": {"b16": dict(blocks=(("mh", 16),)), "b32": dict(blocks=(("mh", 32),)), "w8": dict(warps=(("mh", 8),)),
+           "w2": dict(warps=(("mh", 2),))},
     "out": {"b16 w4": dict(block=16, num_warps=4), "b32 w4": dict(block=32, num_warps=4),
             "b64 w4": dict(block=64, num_warps=4), "b32 w8": dict(block=32, num_warps=8),
             "b64 w8": dict(block=64, num_warps=8), "b16 w8": dict(block=16, num_warps=8)},
@@ -364,7 +369,7 @@ def main():
     if "alt" in steps:            # the other form of the sequential passes, same process
         time_end_to_end(f32_label, f32_shape, jnp.float32, True, ("fwd", "fwd_bwd"), variants + ("ssd/alt+mh",),
                         interp)
-        time_end_to_end(bf16_label, bf16_shape, jnp.bfloat16, True, ("fwd",), variants, interp)
+        time_end_to_end(bf16_label, bf16_shape, jnp.bfloat16, True, ("fwd",), variants + ("ssd/alt+mh",), interp)
     save(args.out)
     if "kernels" in steps:
         guarded("kernels f32 beta", time_kernels, f32_label, f32_shape, jnp.float32, True, interp, (),

@@ -105,12 +105,16 @@ def test_transition_form(with_beta):
     assert_close(errors(ssd(32, scale=8 ** -0.5, config=cfg), inputs, seed=9), TOLERANCES["float32"])
 
 
-def test_transition_without_beta_selects_the_form():
-    """transition="without_beta" (the H200 float32 dk 64 entry): the transition form without beta, the
-    two-product form with beta; that entry (64-row sub-blocks) against the float64 recurrence both ways."""
+@pytest.mark.parametrize("transition", ["without_beta", "h200"])
+def test_transition_without_beta_selects_the_form(transition):
+    """transition="without_beta": the transition form without beta, the two-product form with beta; and the
+    H200 float32 dk 64 entry as shipped (the transition form both ways, M and H from their own kernel with
+    beta). 64-row sub-blocks against the float64 recurrence both ways."""
     cfg = ssd_config(64, 64, jnp.float32, "NVIDIA H200")
-    assert cfg.transition == "without_beta"
-    for with_beta, form in ((True, False), (False, True)):
+    assert cfg.transition is True and cfg.mh_kernel
+    if transition == "without_beta":
+        cfg = dataclasses.replace(cfg, transition="without_beta")
+    for with_beta, form in ((True, transition == "h200"), (False, True)):
         inputs = make_inputs(19, 1, 2, 90, 16, 16, with_beta=with_beta)
         st = ssd_module.make_static(inputs["q"], inputs["k"], inputs["v"], inputs.get("beta"), scale=1.0,
                                     chunk_size=64, interpret=True, config=cfg, device_kind="NVIDIA H200")

@@ -455,9 +455,11 @@ SSD_CONFIGS: dict[str, dict[tuple[int, str], SSDConfig]] = {
         # 1.08 ms vs 1.21 on one 64-row tile and 4.95 recomputing T; bf16 dk128 0.92 vs 2.31 / 3.19 at 8 warps),
         # 3 stages in the sequential passes (state 0.494 vs 0.579 ms at 2), dqk at bf16 dk128 in two passes of
         # 64 dk columns with 4 warps (2.71 vs 3.73 ms in one pass at 8 warps). 4 warps beat 8 in every kernel
-        # tried at these shapes (docs/PERF_NOTES.md).
+        # tried at these shapes (docs/PERF_NOTES.md). Session 12: dk 64 float32 in the transition form with
+        # beta too, M and H from their own kernel (mh_kernel): forward 0.820 vs 0.984 ms, fwd+bwd 5.18 vs 5.95
+        # (precompute 0.235 + mh 0.104 + state 0.222 + out 0.255; reverse 0.210 vs 0.690).
         (64, "32"): SSDConfig(block=64, block_v=64, state_block_v=16, state_stages=3, f32_dot="tf32x3",
-                              transition="without_beta", blocks=(("wy", 16),)),
+                              transition=True, mh_kernel=True, blocks=(("wy", 16),)),
         (128, "32"): SSDConfig(block=64, block_v=64, num_warps=8, state_block_v=16, state_stages=2,
                                f32_dot="tf32x3", warps=(("wy", 4),)),
         (256, "32"): SSDConfig(block=16, block_v=32, num_warps=8, state_block_v=16, state_warps=8,

@@ -179,10 +179,10 @@ def precompute_call(st: Static, k, v, la, beta, emit_t: bool = False) -> dict:
         outputs["u"] = seq_out(st, bh, st.dvp, st.mm_dtype)
         if emit_t:
             outputs["t"] = seq_out(st, bh, st.chunk, st.mm_dtype)
-    mh = {"m": per_chunk_out(st, bh, st.dkp), "inc": per_chunk_out(st, bh, st.dvp)} if st.has_beta else {
-        "inc": per_chunk_out(st, bh, st.dvp)}
     if st.transition and not st.mh_kernel:
-        outputs.update(mh)
+        if st.has_beta:
+            outputs["m"] = per_chunk_out(st, bh, st.dkp)
+        outputs["inc"] = per_chunk_out(st, bh, st.dvp)
     if not outputs:
         return {}
     inputs = dict(k=seq_arg(k, st, st.dkp), v=seq_arg(v, st, st.dvp), la=(la, vec_spec(st)))
@@ -190,10 +190,17 @@ def precompute_call(st: Static, k, v, la, beta, emit_t: bool = False) -> dict:
         inputs["beta"] = (beta, vec_spec(st))
     pre = call(_precompute_kernel, st, st.n_chunks, inputs, outputs, name="ssd_precompute")
     if st.transition and st.mh_kernel:
-        pre.update(call(_mh_kernel, st, st.n_chunks, dict(k=seq_arg(k, st, st.dkp), la=(la, vec_spec(st)),
-                                                          w=seq_arg(pre["w"], st, st.dkp),
-                                                          u=seq_arg(pre["u"], st, st.dvp)), mh, name="ssd_mh"))
+        pre.update(mh_call(st, k, la, pre))
     return pre
+
+
+def mh_call(st: Static, k, la, pre: dict) -> dict:
+    """``SSDConfig.mh_kernel``: {"m": M, "inc": H} [B, H, N * dkp, dkp / dvp] float32 from the stored w and u."""
+    bh = k.shape[:2]
+    inputs = dict(k=seq_arg(k, st, st.dkp), la=(la, vec_spec(st)), w=seq_arg(pre["w"], st, st.dkp),
+                  u=seq_arg(pre["u"], st, st.dvp))
+    outputs = {"m": per_chunk_out(st, bh, st.dkp), "inc": per_chunk_out(st, bh, st.dvp)}
+    return call(_mh_kernel, st, st.n_chunks, inputs, outputs, name="ssd_mh")
 
 
 def state_call(st: Static, k, v, la, s0, pre: dict, emit_delta: bool = False) -> dict:

@@ -1,0 +1,109 @@
+"""Where the ssd backward's dqk and wy kernels spend their time: each kernel timed with parts of its work
+patched out (timing only: the patched kernels compute wrong values). One process, B2 H8 T8192 dk=dv 64
+float32 with beta (the shipped H200 config) unless --bf16 (B2 H16 T8192 dk=dv 128 bfloat16).
+
+Ablations (monkeypatches applied while the kernel is traced):
+  base      the shipped kernel;
+  tf32      float32 products in one tf32 pass instead of three (tf32x3): the cost of full precision;
+  nograd    Decays.grad returns its d_gamma / d_elast inputs (no log_alpha-gradient algebra);
+  nosumall  sum_all (whole-tile reductions) returns one element;
+  nodecay   Decays.G returns ones (no exp of the decay matrices);
+  oldseg    the in-block segment sums and log_alpha's prefix sums as masked products (through session 12)
+            instead of cumulative sums;
+  all       everything above together.
+
+  python3 scripts/gpu_ablate.py --out $OUT [--kernels dqk,wy,out,dout] [--smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpu_ssd  # noqa: E402
+from _gpu_common import log  # noqa: E402
+
+from flashlax.kernels import _ssd_tiles, ssd, ssd_bwd  # noqa: E402
+
+
+@contextlib.contextmanager
+def patched(name):
+    saved = []
+
+    def setattr_(obj, attr, value):
+        saved.append((obj, attr, getattr(obj, attr)))
+        setattr(obj, attr, value)
+
+    names = {"tf32", "nograd", "nosumall", "nodecay"} if name == "all" else {name}
+    if "tf32" in names:
+        setattr_(_ssd_tiles.Static, "f32_precision", property(lambda self: lax.Precision.DEFAULT))
+    if "nograd" in names:
+        setattr_(_ssd_tiles.Decays, "grad", lambda self, d_exp, d_gamma=None, d_elast=None, d_total=None: [
+            (d_gamma[i] if d_gamma is not None else 0.0) + (d_elast[i] if d_elast is not None else 0.0)
+            + jnp.zeros((self.sb,), jnp.float32) for i in range(self.nb)])
+    if "nosumall" in names:
+        for mod in (ssd_bwd, _ssd_tiles):
+            if hasattr(mod, "sum_all"):
+                setattr_(mod, "sum_all", lambda x: x[0, 0])
+    if "oldseg" in names:
+        def diag_seg(self, i):
+            ones = jnp.where(_ssd_tiles.tri(self.sb, "ge"), 1.0, 0.0)
+            strict = jnp.where(_ssd_tiles.tri(self.sb, "gt"), self.la[i][:, None], 0.0)
+            return _ssd_tiles.dot(ones, strict, self.st)
+
+        def prefix_before(self, x):
+            return _ssd_tiles.dot(x, jnp.where(_ssd_tiles.tri(self.sb, "lt"), 1.0, 0.0), self.st)
+        setattr_(_ssd_tiles.Decays, "diag_seg", diag_seg)
+        setattr_(_ssd_tiles.Decays, "prefix_before", prefix_before)
+    if "nodecay" in names:
+        setattr_(_ssd_tiles.Decays, "G", lambda self, i, j, strict=False: jnp.ones((self.sb, self.sb), jnp.float32))
+    try:
+        yield
+    finally:
+        for obj, attr, value in reversed(saved):
+            setattr(obj, attr, value)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=os.environ.get("OUT"))
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--kernels", default="dqk,wy,out,dout")
+    p.add_argument("--ablations", default="base,tf32,nograd,nosumall,nodecay,all")
+    args = p.parse_args()
+    if args.smoke:
+        gpu_ssd.BENCH_KW.update(reps=1, min_iters=1, target_ms=0.0)
+    shape = (1, 2, 100, 16) if args.smoke else (2, 16, 8192, 128) if args.bf16 else (2, 8, 8192, 64)
+    dtype = jnp.bfloat16 if args.bf16 else jnp.float32
+    b, h, t, d = shape
+    q, k, v, la, beta, do = gpu_ssd.inputs(b, h, t, d, d, dtype, seed=7, with_beta=True)
+    st = ssd.make_static(q, k, v, beta, scale=d ** -0.5, chunk_size=64, interpret=args.smoke, config=None,
+                         device_kind=None)
+    log("config", st.config)
+    all_args = gpu_ssd.kernel_args(st, q, k, v, la, beta, do)
+    results = []
+    for name in args.kernels.split(","):
+        for ab in args.ablations.split(","):
+            jax.clear_caches()
+            with patched(ab):
+                res = gpu_ssd.guarded(f"{name} {ab}", gpu_ssd.timed, gpu_ssd.kernel_fn(name, st), *all_args[name])
+            if res is not None:
+                results.append(dict(kernel=name, ablation=ab, ms=res[0]))
+                log(f"{name:8s} {ab:9s} {res[0]:.4f} ms")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "ablate.json"), "w") as f:
+            json.dump(dict(shape=shape, dtype=str(jnp.dtype(dtype)), results=results), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
