@@ -124,6 +124,28 @@ def test_transition_without_beta_selects_the_form(transition):
         SSDConfig(transition="sometimes")
 
 
+@pytest.mark.parametrize("sb", [16, 64])
+def test_decay_segment_sums_keep_float32_accuracy(sb):
+    """The in-block segment sums sum_{s < r <= t} la_r (cumulative sums down the masked columns) and the
+    exclusive row prefix sums of log_alpha's gradient, against float64, on decays mixing -1e4 and -1e-3
+    inside one block: each entry sums only its own segment, so the weak decays after a strong one keep
+    float32 relative accuracy (a difference of prefix sums would lose ~1e-3 absolute there)."""
+    from flashlax.kernels._ssd_tiles import Decays
+    rng = np.random.default_rng(sb)
+    la = np.where(rng.random(sb) < 0.2, -1e4, -rng.uniform(1e-3, 2e-3, sb)).astype(np.float32)
+    x = rng.standard_normal((sb, sb)).astype(np.float32)
+    dec = Decays([jnp.asarray(la)], sb, None)
+    seg = np.asarray(dec.diag_seg(0))
+    la64 = la.astype(np.float64)
+    want = np.array([[la64[s + 1:t + 1].sum() if t > s else 0.0 for s in range(sb)] for t in range(sb)])
+    assert np.all(seg[np.triu_indices(sb)] == 0.0)
+    low = np.tril_indices(sb, -1)
+    assert np.max(np.abs(seg[low] - want[low]) / np.abs(want[low])) < 1e-6
+    pre = np.asarray(dec.prefix_before(jnp.asarray(x)))
+    want_pre = np.cumsum(x.astype(np.float64), axis=1) - x
+    assert np.max(np.abs(pre - want_pre)) < 1e-5 * np.max(np.abs(want_pre))
+
+
 @pytest.mark.parametrize("case", ["log_alpha=-1e4", "log_alpha=0", "resets"])
 def test_extreme_decays(case):
     """-1e4 everywhere (every step forgets), 0 everywhere (no decay: exp(0) = 1, no 0 * inf), and -1e4 resets
