@@ -35,7 +35,7 @@ from flashlax.kernels import _ssd_tiles, ssd, ssd_bwd  # noqa: E402
 
 
 @contextlib.contextmanager
-def patched(name):
+def patched(name, st):
     saved = []
 
     def setattr_(obj, attr, value):
@@ -57,10 +57,10 @@ def patched(name):
         def diag_seg(self, i):
             ones = jnp.where(_ssd_tiles.tri(self.sb, "ge"), 1.0, 0.0)
             strict = jnp.where(_ssd_tiles.tri(self.sb, "gt"), self.la[i][:, None], 0.0)
-            return _ssd_tiles.dot(ones, strict, self.st)
+            return _ssd_tiles.dot(ones, strict, st)
 
         def prefix_before(self, x):
-            return _ssd_tiles.dot(x, jnp.where(_ssd_tiles.tri(self.sb, "lt"), 1.0, 0.0), self.st)
+            return _ssd_tiles.dot(x, jnp.where(_ssd_tiles.tri(self.sb, "lt"), 1.0, 0.0), st)
         setattr_(_ssd_tiles.Decays, "diag_seg", diag_seg)
         setattr_(_ssd_tiles.Decays, "prefix_before", prefix_before)
     if "nodecay" in names:
@@ -94,7 +94,7 @@ def main():
     for name in args.kernels.split(","):
         for ab in args.ablations.split(","):
             jax.clear_caches()
-            with patched(ab):
+            with patched(ab, st):
                 res = gpu_ssd.guarded(f"{name} {ab}", gpu_ssd.timed, gpu_ssd.kernel_fn(name, st), *all_args[name])
             if res is not None:
                 results.append(dict(kernel=name, ablation=ab, ms=res[0]))

@@ -134,7 +134,7 @@ def test_decay_segment_sums_keep_float32_accuracy(sb):
     rng = np.random.default_rng(sb)
     la = np.where(rng.random(sb) < 0.2, -1e4, -rng.uniform(1e-3, 2e-3, sb)).astype(np.float32)
     x = rng.standard_normal((sb, sb)).astype(np.float32)
-    dec = Decays([jnp.asarray(la)], sb, None)
+    dec = Decays([jnp.asarray(la)], sb)
     seg = np.asarray(dec.diag_seg(0))
     la64 = la.astype(np.float64)
     want = np.array([[la64[s + 1:t + 1].sum() if t > s else 0.0 for s in range(sb)] for t in range(sb)])

@@ -196,8 +196,8 @@ class Decays:
     ``suf[i]`` (exclusive suffix sums), ``tot[i]`` (block sums); inside a diagonal block a masked product.
     """
 
-    def __init__(self, la, sb: int, st: Static):
-        self.la, self.sb, self.st, self.nb = la, sb, st, len(la)
+    def __init__(self, la, sb: int):
+        self.la, self.sb, self.nb = la, sb, len(la)
         # c[t] = sum_{r <= t} la_r (rows t, columns r: row >= col); suf[s] = sum_{r > s} la_r (row < col)
         self.c = [jnp.sum(jnp.where(tri(sb, "ge"), x[None, :], 0.0), axis=1) for x in la]
         self.suf = [jnp.sum(jnp.where(tri(sb, "lt"), x[None, :], 0.0), axis=1) for x in la]
@@ -223,9 +223,8 @@ class Decays:
     def diag_seg(self, i):
         """[sb, sb] sum_{s < r <= t} la_r (0 on and above the diagonal): a cumulative sum down each column of
         the strictly lower masked log_alpha ([r, s] = la_r for r > s), as the XLA path's ``_decays``: each
-        entry sums only its own segment (one sign, no cancellation). (Through session 12: a masked product
-        with a triangular ones matrix, which in float32 ran as three tf32 passes and cost as much as the
-        output kernel's other work, 0.256 vs 0.119 ms without it at B2 H8 T8192 dk64.)"""
+        entry sums only its own segment (one sign, no cancellation). Not a product with a triangular ones
+        matrix: in float32 that runs as three tf32 passes (docs/PERF_NOTES.md, session 12)."""
         return jnp.cumsum(jnp.where(tri(self.sb, "gt"), self.la[i][:, None], 0.0), axis=0)
 
     def prefix_before(self, x):
@@ -281,6 +280,11 @@ class Decays:
                 d = d + jnp.sum(jnp.where(tri(sb, "ge"), z, 0.0), axis=0)
             out.append(d)
         return out
+
+
+def chunk_decays(ref, rows, sb: int, st: Static) -> Decays:
+    """The Decays of one chunk, its log_alpha read from ``ref`` in [sb] pieces at ``rows``."""
+    return Decays([load_vec(ref, row, sb, st) for row in rows], sb)
 
 
 # ----------------------------------------------------------------------------------------------------

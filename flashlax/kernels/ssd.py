@@ -40,8 +40,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from flashlax.kernels._ssd_tiles import (F32, UT_BLOCK, Decays, Static, add_all, call, chunk_delta, chunk_rows,
-                                         chunk_vectors, col_bound, dot, iota, load, load_square, load_vec, mat_spec,
+from flashlax.kernels._ssd_tiles import (F32, UT_BLOCK, Decays, Static, add_all, call, chunk_decays, chunk_delta,
+                                         chunk_rows, chunk_vectors, col_bound, dot, iota, load, load_square,
+                                         load_vec, mat_spec,
                                          mm, named, p_blocks, per_chunk_arg, per_chunk_out, seq_arg, seq_out,
                                          sequential_program, state_block, store, store_state, ut_blocks, vec_spec)
 from flashlax.kernels.configs import SSDConfig, check_ssd_config, ssd_config
@@ -59,9 +60,9 @@ def _precompute_kernel(*refs, names, st: Static):
     nb = len(rows)
     row_m = pl.program_id(0) * st.dkp
     k = [load(r["k"], row, sb, 0, st.dkp, st, col_bound(st.dk, st.dkp)) for row in rows]
-    dec = Decays([load_vec(r["la"], row, sb, st) for row in rows], sb, st)
+    dec = chunk_decays(r["la"], rows, sb, st)
     if "inc" in r:
-        k_dec = [mm(dec.e_last(i)[:, None] * k[i].astype(F32), st) for i in range(nb)]
+        k_dec = decayed_keys(k, dec, st)
     if st.has_beta:
         beta = [load_vec(r["beta"], row, sb, st) for row in rows]
         t, _, _ = ut_blocks(k, beta, dec, st)
@@ -86,13 +87,23 @@ def _precompute_kernel(*refs, names, st: Static):
             for i in range(nb):
                 store(r["u"], rows[i], c0, x[i], st)
         if "inc" in r:
-            store_state(r["inc"], row_m, c0, add_all(dot(k_dec[i], mm(x[i], st), st, ta=True) for i in range(nb)), st)
+            store_state(r["inc"], row_m, c0, transposed_product(k_dec, x, st), st)
+
+
+def decayed_keys(k, dec: Decays, st: Static):
+    """k_dec: each sub-block of k decayed to the chunk end (mm dtype)."""
+    return [mm(dec.e_last(i)[:, None] * k[i].astype(F32), st) for i in range(len(k))]
+
+
+def transposed_product(k_dec, x, st: Static):
+    """k_dec^T x [dkp, cols] float32 over the chunk's sub-blocks (H = k_dec^T u, and M's k_dec^T w)."""
+    return add_all(dot(k_dec[i], mm(x[i], st), st, ta=True) for i in range(len(k_dec)))
 
 
 def transition_matrix(k_dec, w, dec: Decays, st: Static):
     """M = g I - k_dec^T w [dkp, dkp] float32 of one chunk from its sub-blocks."""
     eye = jnp.where(iota((st.dkp, st.dkp), 0) == iota((st.dkp, st.dkp), 1), dec.chunk_decay(), 0.0)
-    return eye - add_all(dot(k_dec[i], mm(w[i], st), st, ta=True) for i in range(len(k_dec)))
+    return eye - transposed_product(k_dec, w, st)
 
 
 def _mh_kernel(*refs, names, st: Static):
@@ -103,15 +114,14 @@ def _mh_kernel(*refs, names, st: Static):
     sb = st.block("mh")
     rows = chunk_rows(st, sb)
     row_m = pl.program_id(0) * st.dkp
-    dec = Decays([load_vec(r["la"], row, sb, st) for row in rows], sb, st)
-    k_dec = [mm(dec.e_last(i)[:, None] * load(r["k"], row, sb, 0, st.dkp, st, col_bound(st.dk, st.dkp)).astype(F32),
-                st) for i, row in enumerate(rows)]
+    dec = chunk_decays(r["la"], rows, sb, st)
+    k_dec = decayed_keys([load(r["k"], row, sb, 0, st.dkp, st, col_bound(st.dk, st.dkp)) for row in rows], dec, st)
     store_state(r["m"], row_m, 0,
                 transition_matrix(k_dec, [load(r["w"], row, sb, 0, st.dkp, st) for row in rows], dec, st), st)
     bv = st.block_v()
     for c0 in range(0, st.dvp, bv):
         u = [load(r["u"], row, sb, c0, bv, st) for row in rows]
-        store_state(r["inc"], row_m, c0, add_all(dot(k_dec[i], u[i], st, ta=True) for i in range(len(rows))), st)
+        store_state(r["inc"], row_m, c0, transposed_product(k_dec, u, st), st)
 
 
 def _state_kernel(*refs, names, st: Static):
@@ -154,7 +164,7 @@ def _output_kernel(*refs, names, st: Static):
     kcols = col_bound(st.dk, st.dkp)
     q = [load(r["q"], row, sb, 0, st.dkp, st, kcols) for row in rows]
     k = [load(r["k"], row, sb, 0, st.dkp, st, kcols) for row in rows]
-    dec = Decays([load_vec(r["la"], row, sb, st) for row in rows], sb, st)
+    dec = chunk_decays(r["la"], rows, sb, st)
     p = {key: mm(x, st) for key, x in p_blocks(q, k, dec, st).items()}
     q_g = [mm((st.scale * dec.gamma(i))[:, None] * q[i].astype(F32), st) for i in range(nb)]
     w = [load(r["w"], row, sb, 0, st.dkp, st) for row in rows] if "w" in r else None

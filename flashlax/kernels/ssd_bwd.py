@@ -30,7 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from flashlax.kernels import ssd
-from flashlax.kernels._ssd_tiles import (F32, Decays, Static, add_all, call, chunk_delta, chunk_rows,
+from flashlax.kernels._ssd_tiles import (F32, Static, add_all, call, chunk_decays, chunk_delta, chunk_rows,
                                          chunk_vectors, col_bound, dot, load, load_square, load_vec, mat_spec, mm,
                                          named, p_blocks, per_chunk_arg, per_chunk_out, seq_arg, seq_out,
                                          sequential_program, state_block, store, store_state, store_vec,
@@ -48,7 +48,7 @@ def _dout_kernel(*refs, names, st: Static):
     kcols, vcols = col_bound(st.dk, st.dkp), col_bound(st.dv, st.dvp)
     q = [load(r["q"], row, sb, 0, st.dkp, st, kcols) for row in rows]
     k = [load(r["k"], row, sb, 0, st.dkp, st, kcols) for row in rows]
-    dec = Decays([load_vec(r["la"], row, sb, st) for row in rows], sb, st)
+    dec = chunk_decays(r["la"], rows, sb, st)
     p = {key: mm(x, st) for key, x in p_blocks(q, k, dec, st).items()}
     if "rinc" in r:
         q_g = [mm((st.scale * dec.gamma(i))[:, None] * q[i].astype(F32), st) for i in range(nb)]
@@ -122,7 +122,7 @@ def _dqk_kernel(*refs, names, st: Static):
     kcols, vcols = col_bound(st.dk, st.dkp), col_bound(st.dv, st.dvp)
     bk = st.dqk_block_k()
     whole = bk == st.dkp
-    dec = Decays([load_vec(r["la"], row, sb, st) for row in rows], sb, st)
+    dec = chunk_decays(r["la"], rows, sb, st)
     gamma = [dec.gamma(i) for i in range(nb)]
     e_last = [dec.e_last(i) for i in range(nb)]
     w = [load(r["w"], row, sb, 0, st.dkp, st) for row in rows] if "w" in r else None
@@ -227,7 +227,7 @@ def _wy_kernel(*refs, names, st: Static):
             store(r["dv"], row, c0, beta[i][:, None] * d_bv[i], st, vcols)
     # A = strict(beta_t (k k^T) * G): g is the strict decay, so d_a outside A's support drops out here
     k = [load(r["k"], row, sb, 0, st.dkp, st, kcols) for row in rows]
-    dec = Decays([load_vec(r["la"], row, sb, st) for row in rows], sb, st)
+    dec = chunk_decays(r["la"], rows, sb, st)
     gamma = [dec.gamma(i) for i in range(nb)]
     k_bgk = [jnp.sum(k[i].astype(F32) * d_bgk[i], axis=1) for i in range(nb)]
     kk = {(i, j): dot(k[i], k[j], st, tb=True) for i, j in pairs}
