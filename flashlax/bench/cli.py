@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare", nargs=2, metavar=("A_JSON", "B_JSON"), help="ratio per row b/a between runs")
     p.add_argument("--quick", action="store_true",
                    help="the main job: all ops at small shapes, error vs reference, timings, GPU-vs-CPU parity")
+    p.add_argument("--matmul-precision", default=None, metavar="PRECISION",
+                   help="run every row under jax.default_matmul_precision(PRECISION), e.g. tensorfloat32: "
+                        "float32 products as one tf32 pass (flashlax and jax peers; default: full float32)")
     p.add_argument("--no-interpret", action="store_true",
                    help="--quick: skip Pallas kernels in the interpreter on CPU")
     return p
@@ -146,11 +149,17 @@ def run(args) -> dict[str, Any]:
         config.update(configs[names[0]])
     else:
         config["suites"] = configs
+    if args.matmul_precision is not None:
+        config["matmul_precision"] = args.matmul_precision
     data = {"device": harness.device_info(), "config": config, "results": []}
     for name in names:
         print(f"[{name}] running on {device} ...", file=sys.stderr, flush=True)
         start = time.perf_counter()
-        rows = suites.run_suite(name, configs[name])
+        with jax.default_matmul_precision(args.matmul_precision):
+            rows = suites.run_suite(name, configs[name])
+        if args.matmul_precision is not None:
+            for row in rows:
+                row["matmul_precision"] = args.matmul_precision
         data["results"].extend(rows)
         print(f"\n## {name} ({len(rows)} rows, {time.perf_counter() - start:.0f} s, {data['device']['device_kind']})\n")
         print(report.summary_table(rows), flush=True)

@@ -52,6 +52,7 @@ OPTIONAL: dict[str, tuple] = {
     "throughput_calls": (int,),
     "latency_ms": _NUM,       # decode: median of single synchronised calls
     "kv_tbps": _NUM,          # decode: KV bytes / throughput_ms, TB/s
+    "matmul_precision": (str,),  # the run's --matmul-precision (jax.default_matmul_precision), when given
 }
 DEVICE_REQUIRED = {"jax": (str,), "backend": (str,), "device_kind": (str,)}
 

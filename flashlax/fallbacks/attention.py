@@ -28,6 +28,7 @@ from jax import lax
 
 from flashlax import _mods
 from flashlax import masks as masks_lib
+from flashlax._precision import xla_precision
 from flashlax.parallel.vma import cotangent_like, match_vma
 
 F32 = jnp.float32
@@ -61,8 +62,9 @@ def tile_bounds(length: int, size: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def precision_for(dtype) -> lax.Precision:
-    """float32 (and float64) inputs are computed in full precision (no silent tf32/bf16 passes)."""
-    return lax.Precision.HIGHEST if jnp.dtype(dtype) in (jnp.float32, jnp.float64) else lax.Precision.DEFAULT
+    """float32 (and float64) inputs are computed in full precision (no silent tf32/bf16 passes); one tf32
+    pass for float32 when the caller's ``jax.default_matmul_precision`` asks for it (flashlax/_precision.py)."""
+    return xla_precision(dtype)
 
 
 def acc_dtype(dtype):

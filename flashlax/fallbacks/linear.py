@@ -36,16 +36,16 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from flashlax._precision import xla_precision
 from flashlax.parallel.vma import match_vma
 
-_HI = lax.Precision.HIGHEST
 # Python-level arguments of the impls: compile-time constants of the jitted impls.
 _STATIC = ("scale", "return_final_state", "chunk_size")
 
 
 def _mm(spec: str, *operands):
-    """einsum in full precision (no tf32 on GPU)."""
-    return jnp.einsum(spec, *operands, precision=_HI)
+    """einsum in full precision (no tf32 on GPU unless the caller asks for it: flashlax/_precision.py)."""
+    return jnp.einsum(spec, *operands, precision=xla_precision(jnp.result_type(*operands)))
 
 
 def _compute_dtype(*arrays):

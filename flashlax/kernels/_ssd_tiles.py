@@ -38,6 +38,7 @@ class Static:
     dtype: Any            # q/k/v dtype
     interpret: bool
     backward: str = "pallas"   # "pallas": the Pallas backward kernels; "xla": the chunked XLA backward
+    tf32: bool = False         # float32 products in one tf32 pass: the caller asked (flashlax/_precision.py)
 
     @property
     def dkp(self) -> int:
@@ -82,6 +83,10 @@ class Static:
 
     @property
     def f32_precision(self):
+        """Precision of float32 products larger than 16 x 16 x 16: one tf32 pass when the caller asked for it
+        (``tf32``), else the config's ``f32_dot``. The interpreter (CPU) computes every product in IEEE."""
+        if self.tf32 and not self.interpret:
+            return lax.Precision.DEFAULT
         if self.config.f32_dot == "tf32x3" and not self.interpret:
             return lax.DotAlgorithmPreset.TF32_TF32_F32_X3
         return lax.Precision.HIGHEST

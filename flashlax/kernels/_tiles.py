@@ -42,6 +42,7 @@ from jax.extend.core import Literal
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from flashlax._precision import pallas_precision
 from flashlax.parallel.vma import match_vma
 
 LOG2E = math.log2(math.e)
@@ -211,8 +212,9 @@ def dot_tn(a, b, precision=None):
 
 def dot_precision(dtype) -> Any:
     """Matmul precision for inputs of ``dtype``: HIGHEST for float32 (the Triton lowering maps DEFAULT and
-    HIGH to tf32, HIGHEST to IEEE float32), None (native tensor-core path) for 16-bit inputs."""
-    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+    HIGH to tf32, HIGHEST to IEEE float32) unless the caller asks for tf32 (flashlax/_precision.py), None
+    (native tensor-core path) for 16-bit inputs."""
+    return pallas_precision(dtype)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from flashlax import _mods
+from flashlax._precision import xla_precision
 from flashlax import masks as masks_lib
 from flashlax.kernels import _tiles
 from flashlax.kernels._tiles import LOG2E, dot_nn, dot_nt, dot_precision, dot_tn, exp2_fma, fma, leading_run, pow2
@@ -625,7 +626,7 @@ def _dcaptured_xla(q, k, v, dout, lse, delta, *, block_mask, score_mod, mask_mod
     b_idx = jnp.arange(bsz, dtype=jnp.int32)[:, None, None, None]
     h_idx = jnp.arange(hq, dtype=jnp.int32)[None, :, None, None]
     kv_idx = jnp.arange(lkv, dtype=jnp.int32)[None, None, None, :]
-    hi = lax.Precision.HIGHEST
+    hi = xla_precision(q.dtype)
 
     def step(acc, i):
         start = i * block_q

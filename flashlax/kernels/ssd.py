@@ -45,6 +45,7 @@ from flashlax.kernels._ssd_tiles import (F32, UT_BLOCK, Decays, Static, add_all,
                                          load_vec, mat_spec,
                                          mm, named, p_blocks, per_chunk_arg, per_chunk_out, seq_arg, seq_out,
                                          sequential_program, state_block, store, store_state, ut_blocks, vec_spec)
+from flashlax._precision import uses_tf32
 from flashlax.kernels.configs import SSDConfig, check_ssd_config, ssd_config
 from flashlax.parallel.vma import cotangent_like, match_vma
 
@@ -281,7 +282,8 @@ def _ssd_bwd(st, res, cts):
         from flashlax.fallbacks.linear import _chunked_bwd
 
         q, k, v, la, beta, s0 = res
-        grads = _chunked_bwd(st.scale, st.chunk, False, ((q, k, v, la, beta), s0), cts)
+        with jax.default_matmul_precision("tensorfloat32" if st.tf32 else "float32"):   # as the forward's
+            grads = _chunked_bwd(st.scale, st.chunk, False, ((q, k, v, la, beta), s0), cts)
     else:
         from flashlax.kernels.ssd_bwd import backward
 
@@ -316,7 +318,8 @@ def make_static(q, k, v, beta, *, scale: float, chunk_size: int, interpret: bool
     if backward == "auto":      # the faster one on the H200 (docs/PERF_NOTES.md, sessions 8, 9 and 11)
         backward = "xla" if beta is not None and q.dtype == jnp.float32 and max(dk, dv) > 64 else "pallas"
     return Static(backward=backward, config=cfg, scale=float(scale), chunk=chunk, seq_len=seq_len, dk=dk, dv=dv,
-                  has_beta=beta is not None, dtype=jnp.dtype(q.dtype), interpret=bool(interpret))
+                  has_beta=beta is not None, dtype=jnp.dtype(q.dtype), interpret=bool(interpret),
+                  tf32=uses_tf32(q.dtype))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "return_final_state", "chunk_size", "interpret", "config",
