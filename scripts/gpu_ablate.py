@@ -10,6 +10,10 @@ Ablations (monkeypatches applied while the kernel is traced):
   nodecay   Decays.G returns ones (no exp of the decay matrices);
   oldseg    the in-block segment sums and log_alpha's prefix sums as masked products (through session 12)
             instead of cumulative sums;
+  smalltc   the UT transform's 16 x 16 x 16 float32 products on the tensor cores as tf32x3 (small_f32_dot)
+            instead of IEEE float32 FMAs (a config change: the same values to float32 rounding);
+  smalltf32 those products in one tf32 pass (and every float32 product: Static.tf32);
+  nout      T = I (ut_blocks skipped: what the UT transform costs the precompute);
   all       everything above together.
 
   python3 scripts/gpu_ablate.py --out $OUT [--kernels dqk,wy,out,dout] [--smoke]
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -65,8 +70,21 @@ def patched(name, st):
         setattr_(_ssd_tiles.Decays, "prefix_before", prefix_before)
     if "nodecay" in names:
         setattr_(_ssd_tiles.Decays, "G", lambda self, i, j, strict=False: jnp.ones((self.sb, self.sb), jnp.float32))
+    variant = st
+    if name in ("smalltc", "smalltf32"):
+        variant = dataclasses.replace(st, config=dataclasses.replace(st.config, small_f32_dot=True),
+                                      tf32=name == "smalltf32")
+    if name == "nout":
+        def ut_identity(k, beta, dec, st_):
+            nb, sb = len(k), _ssd_tiles.UT_BLOCK
+            eye = jnp.where(_ssd_tiles.iota((sb, sb), 0) == _ssd_tiles.iota((sb, sb), 1), 1.0, 0.0)
+            t = {(i, j): eye if i == j else jnp.zeros((sb, sb), jnp.float32) for i in range(nb) for j in range(i + 1)}
+            return t, dict(t), dict(t)
+        for mod in (ssd, ssd_bwd):
+            if hasattr(mod, "ut_blocks"):
+                setattr_(mod, "ut_blocks", ut_identity)
     try:
-        yield
+        yield variant
     finally:
         for obj, attr, value in reversed(saved):
             setattr(obj, attr, value)
@@ -94,8 +112,8 @@ def main():
     for name in args.kernels.split(","):
         for ab in args.ablations.split(","):
             jax.clear_caches()
-            with patched(ab, st):
-                res = gpu_ssd.guarded(f"{name} {ab}", gpu_ssd.timed, gpu_ssd.kernel_fn(name, st), *all_args[name])
+            with patched(ab, st) as st_ab:
+                res = gpu_ssd.guarded(f"{name} {ab}", gpu_ssd.timed, gpu_ssd.kernel_fn(name, st_ab), *all_args[name])
             if res is not None:
                 results.append(dict(kernel=name, ablation=ab, ms=res[0]))
                 log(f"{name:8s} {ab:9s} {res[0]:.4f} ms")

@@ -11,6 +11,7 @@ Steps (``--steps``, in this order):
              difference from chunked over the output and every gradient;
   f32nobeta  the same without beta, chunked and ssd only;
   bf16       B2 H16 T8192 dk=dv=128 bfloat16 forward with beta: chunked and ssd;
+  o4         bf16: chunked, ssd and ssd+o4 (the out kernel at 4 warps), fwd and fwd+bwd;
   alt        ssd, ssd/alt and ssd/alt+mh (SSDConfig.mh_kernel) fwd and fwd+bwd (float32), fwd (bf16), one process;
   kernels    each kernel of the forward and backward alone, both forms (float32 and bf16 shapes);
   variants   each kernel of both forms again, then the KERNEL_VARIANTS (config overrides) of the kernels
@@ -203,6 +204,7 @@ KERNEL_VARIANTS = {
 }
 
 
+VARIANT_MATCH = [""]      # --variant-match: only the KERNEL_VARIANTS labels containing it
 CHAIN_FIELDS = {"reverse_rinc", "transition"}     # config fields that change what the kernels pass each other
 
 
@@ -234,6 +236,8 @@ def time_kernels(label, shape, dtype, with_beta, interpret, variants=(), deadlin
             if name not in all_args[form]:
                 continue
             for vlabel, over in KERNEL_VARIANTS[name].items():
+                if VARIANT_MATCH[0] and VARIANT_MATCH[0] not in vlabel:
+                    continue
                 if time.perf_counter() - T0 > deadline:
                     log("deadline: skipping the remaining kernel variants")
                     return
@@ -272,6 +276,8 @@ def ssd_variant(label, dims, dtype, interpret, with_beta=True):
         cfg = dataclasses.replace(cfg, f32_dot="tf32x3")
     if "+mh" in label:
         cfg = dataclasses.replace(cfg, mh_kernel=True)
+    if "+o4" in label:
+        cfg = dataclasses.replace(cfg, warps=tuple(w for w in cfg.warps if w[0] != "out") + (("out", 4),))
     return dict(interpret=interpret, config=cfg)
 
 
@@ -326,9 +332,11 @@ def main():
                    "f32 (B2 H8 T8192 d64), bf16 (B2 H16 T8192 d128), f32_128 (B2 H8 T8192 d128)")
     p.add_argument("--kernels", default="", help="comma-separated kernel names to time (default: all)")
     p.add_argument("--shipped-only", action="store_true", help="time the shipped form only")
+    p.add_argument("--variant-match", default="", help="variants step: only labels containing this")
     args = p.parse_args()
     KERNELS_ONLY.update(x for x in args.kernels.split(",") if x)
     SHIPPED_ONLY[0] = args.shipped_only
+    VARIANT_MATCH[0] = args.variant_match
     interp = args.smoke
     OUT_DIR[0] = args.out
     if interp:
@@ -366,6 +374,9 @@ def main():
         time_end_to_end(f32_label, f32_shape, jnp.float32, False, ("fwd", "fwd_bwd"), ("chunked", "ssd"), interp)
     if "bf16" in steps:           # the bf16 forward target (with beta)
         time_end_to_end(bf16_label, bf16_shape, jnp.bfloat16, True, ("fwd",), ("chunked", "ssd"), interp)
+    if "o4" in steps:             # the out kernel at 4 warps (bf16 dk128), one process
+        time_end_to_end(bf16_label, bf16_shape, jnp.bfloat16, True, ("fwd", "fwd_bwd"), ("chunked", "ssd", "ssd+o4"),
+                        interp)
     if "alt" in steps:            # the other form of the sequential passes, same process
         time_end_to_end(f32_label, f32_shape, jnp.float32, True, ("fwd", "fwd_bwd"), variants + ("ssd/alt+mh",),
                         interp)
