@@ -458,11 +458,12 @@ SSD_CONFIGS: dict[str, dict[tuple[int, str], SSDConfig]] = {
         # tried at these shapes (docs/PERF_NOTES.md). Session 12: dk 64 float32 in the transition form with
         # beta too, M and H from their own kernel (mh_kernel): forward 0.820 vs 0.984 ms, fwd+bwd 5.18 vs 5.95
         # (precompute 0.235 + mh 0.104 + state 0.222 + out 0.255; reverse 0.210 vs 0.690). Session 13: bf16
-        # dk128's output kernel at 4 warps (0.148 vs 0.244 ms at 8; forward 1.13 vs 1.22 ms end to end).
+        # dk128's output kernel at 4 warps (0.148 vs 0.244 ms at 8; forward 1.11 vs 1.22 ms end to end); float32
+        # dk128's precompute at 4 warps (0.952 vs 6.18 ms at 8: the forward was 7.90 ms against chunked's 3.74).
         (64, "32"): SSDConfig(block=64, block_v=64, state_block_v=16, state_stages=3, f32_dot="tf32x3",
                               transition=True, mh_kernel=True, blocks=(("wy", 16),)),
         (128, "32"): SSDConfig(block=64, block_v=64, num_warps=8, state_block_v=16, state_stages=2,
-                               f32_dot="tf32x3", warps=(("wy", 4),)),
+                               f32_dot="tf32x3", warps=(("wy", 4), ("precompute", 4))),
         (256, "32"): SSDConfig(block=16, block_v=32, num_warps=8, state_block_v=16, state_warps=8,
                                state_stages=1, max_chunk=64, f32_dot="tf32x3"),
         (64, "16"): SSDConfig(block=64, block_v=64, state_block_v=32, state_stages=2, f32_dot="tf32x3",
