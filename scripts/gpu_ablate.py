@@ -14,6 +14,12 @@ Ablations (monkeypatches applied while the kernel is traced):
             instead of IEEE float32 FMAs (a config change: the same values to float32 rounding);
   smalltf32 those products in one tf32 pass (and every float32 product: Static.tf32);
   nout      T = I (ut_blocks skipped: what the UT transform costs the precompute);
+  ut-kk, ut-inv, ut-merge, ut-decay
+            the UT transform with one part skipped: K K^T products (a constant instead), the diagonal
+            blocks' inverses (I - a instead of six products), the off-diagonal merges (zero blocks), the
+            decays (the strict mask instead of exp of segment sums). Session 13 (bf16 dk128): precompute
+            0.571 ms, nout 0.109: the UT transform is 80% of it, and neither tensor-core 16 x 16 products
+            (smalltc 0.691) nor whole-chunk 64 x 64 ones (0.53 at 4 warps) made it cheaper.
   all       everything above together.
 
   python3 scripts/gpu_ablate.py --out $OUT [--kernels dqk,wy,out,dout] [--smoke]
@@ -74,6 +80,35 @@ def patched(name, st):
     if name in ("smalltc", "smalltf32"):
         variant = dataclasses.replace(st, config=dataclasses.replace(st.config, small_f32_dot=True),
                                       tf32=name == "smalltf32")
+    if name.startswith("ut-"):
+        def ut_part_skipped(k, beta, dec, st_, skip=name[3:]):
+            tiles = _ssd_tiles
+            nb, sb = len(k), tiles.UT_BLOCK
+            eye = jnp.where(tiles.iota((sb, sb), 0) == tiles.iota((sb, sb), 1), 1.0, 0.0)
+            strict = jnp.where(tiles.tri(sb, "gt"), 1.0, 0.0)
+            kk, g, a, t = {}, {}, {}, {}
+            for i in range(nb):
+                for j in range(i + 1):
+                    kk[i, j] = 0.01 + 0.0 * eye if skip == "kk" else tiles.dot(k[i], k[j], st_, tb=True)
+                    g[i, j] = (strict if i == j else 1.0 + 0.0 * eye) if skip == "decay" else dec.G(i, j, strict=True)
+                    a[i, j] = beta[i][:, None] * kk[i, j] * g[i, j]
+            for i in range(nb):
+                x = a[i, i]
+                if skip == "inv":
+                    inv = eye - x
+                else:
+                    x2 = tiles.dot(x, x, st_)
+                    x4 = tiles.dot(x2, x2, st_)
+                    x8 = tiles.dot(x4, x4, st_)
+                    inv = tiles.dot(tiles.dot(tiles.dot(eye - x, eye + x2, st_), eye + x4, st_), eye + x8, st_)
+                t[i, i] = inv
+                for j in range(i):
+                    t[i, j] = 0.0 * eye if skip == "merge" else -tiles.dot(
+                        inv, tiles.add_all(tiles.dot(a[i, m], t[m, j], st_) for m in range(j, i)), st_)
+            return t, kk, g
+        for mod in (ssd, ssd_bwd):
+            if hasattr(mod, "ut_blocks"):
+                setattr_(mod, "ut_blocks", ut_part_skipped)
     if name == "nout":
         def ut_identity(k, beta, dec, st_):
             nb, sb = len(k), _ssd_tiles.UT_BLOCK
