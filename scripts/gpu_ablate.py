@@ -76,6 +76,11 @@ def patched(name, st):
         setattr_(_ssd_tiles.Decays, "prefix_before", prefix_before)
     if "nodecay" in names:
         setattr_(_ssd_tiles.Decays, "G", lambda self, i, j, strict=False: jnp.ones((self.sb, self.sb), jnp.float32))
+    def patch_ut(fn):       # the kernel modules call ut_blocks by the name they imported
+        for mod in (ssd, ssd_bwd):
+            if hasattr(mod, "ut_blocks"):
+                setattr_(mod, "ut_blocks", fn)
+
     variant = st
     if name in ("smalltc", "smalltf32"):
         variant = dataclasses.replace(st, config=dataclasses.replace(st.config, small_f32_dot=True),
@@ -106,18 +111,14 @@ def patched(name, st):
                     t[i, j] = 0.0 * eye if skip == "merge" else -tiles.dot(
                         inv, tiles.add_all(tiles.dot(a[i, m], t[m, j], st_) for m in range(j, i)), st_)
             return t, kk, g
-        for mod in (ssd, ssd_bwd):
-            if hasattr(mod, "ut_blocks"):
-                setattr_(mod, "ut_blocks", ut_part_skipped)
+        patch_ut(ut_part_skipped)
     if name == "nout":
         def ut_identity(k, beta, dec, st_):
             nb, sb = len(k), _ssd_tiles.UT_BLOCK
             eye = jnp.where(_ssd_tiles.iota((sb, sb), 0) == _ssd_tiles.iota((sb, sb), 1), 1.0, 0.0)
             t = {(i, j): eye if i == j else jnp.zeros((sb, sb), jnp.float32) for i in range(nb) for j in range(i + 1)}
             return t, dict(t), dict(t)
-        for mod in (ssd, ssd_bwd):
-            if hasattr(mod, "ut_blocks"):
-                setattr_(mod, "ut_blocks", ut_identity)
+        patch_ut(ut_identity)
     try:
         yield variant
     finally:

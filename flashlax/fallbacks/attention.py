@@ -61,10 +61,9 @@ def tile_bounds(length: int, size: int) -> tuple[np.ndarray, np.ndarray]:
     return starts.astype(np.int32), lows.astype(np.int32)
 
 
-def precision_for(dtype) -> lax.Precision:
-    """float32 (and float64) inputs are computed in full precision (no silent tf32/bf16 passes); one tf32
-    pass for float32 when the caller's ``jax.default_matmul_precision`` asks for it (flashlax/_precision.py)."""
-    return xla_precision(dtype)
+# float32 (and float64) inputs in full precision, one tf32 pass for float32 only when the caller's
+# jax.default_matmul_precision asks for it (flashlax/_precision.py)
+precision_for = xla_precision
 
 
 def acc_dtype(dtype):

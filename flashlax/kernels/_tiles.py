@@ -210,11 +210,9 @@ def dot_tn(a, b, precision=None):
                            preferred_element_type=jnp.float32)
 
 
-def dot_precision(dtype) -> Any:
-    """Matmul precision for inputs of ``dtype``: HIGHEST for float32 (the Triton lowering maps DEFAULT and
-    HIGH to tf32, HIGHEST to IEEE float32) unless the caller asks for tf32 (flashlax/_precision.py), None
-    (native tensor-core path) for 16-bit inputs."""
-    return pallas_precision(dtype)
+# Matmul precision for inputs of a dtype: IEEE float32 (HIGHEST) for float32 unless the caller asks for tf32,
+# None (native tensor-core path) for 16-bit inputs (flashlax/_precision.py)
+dot_precision = pallas_precision
 
 
 # ----------------------------------------------------------------------------------------------------
