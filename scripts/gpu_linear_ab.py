@@ -29,7 +29,8 @@ from gpu_ssd import fwd_bwd, impl_fn  # noqa: E402
 # (B, H, T, dk=dv, dtype, with beta)
 SHAPES = [(2, 8, 8192, 64, "float32", True), (2, 8, 2048, 64, "float32", True), (2, 8, 512, 64, "float32", True),
           (2, 8, 8192, 64, "float32", False), (2, 16, 8192, 128, "bfloat16", True),
-          (2, 8, 8192, 128, "float32", True), (2, 8, 2048, 128, "float32", True)]
+          (2, 8, 8192, 128, "float32", True), (2, 8, 2048, 128, "float32", True),
+          (2, 8, 4096, 256, "bfloat16", True), (2, 8, 4096, 256, "float32", True)]
 SMOKE = [(1, 2, 100, 32, "float32", True), (1, 2, 100, 32, "float32", False)]
 
 

@@ -205,6 +205,17 @@ KERNEL_VARIANTS = {
 
 
 VARIANT_MATCH = [""]      # --variant-match: only the KERNEL_VARIANTS labels containing it
+WARP_SWEEP: list = []     # --warp-sweep: per-kernel warp counts ("kw<n>" variants, SSDConfig.warps overrides)
+
+
+def kernel_variants(name, cfg):
+    """KERNEL_VARIANTS[name], plus a "kw<n>" variant per --warp-sweep count: that kernel alone at n warps
+    (precompute_bwd is the precompute kernel's backward form and shares its entry)."""
+    out = dict(KERNEL_VARIANTS.get(name, {}))
+    entry = "precompute" if name == "precompute_bwd" else name
+    for n in WARP_SWEEP:
+        out[f"kw{n}"] = dict(warps=tuple(w for w in cfg.warps if w[0] != entry) + ((entry, n),))
+    return out
 CHAIN_FIELDS = {"reverse_rinc", "transition"}     # config fields that change what the kernels pass each other
 
 
@@ -235,7 +246,7 @@ def time_kernels(label, shape, dtype, with_beta, interpret, variants=(), deadlin
         for form, st0 in forms.items():
             if name not in all_args[form]:
                 continue
-            for vlabel, over in KERNEL_VARIANTS[name].items():
+            for vlabel, over in kernel_variants(name, st0.config).items():
                 if VARIANT_MATCH[0] and VARIANT_MATCH[0] not in vlabel:
                     continue
                 if time.perf_counter() - T0 > deadline:
@@ -329,14 +340,18 @@ def main():
     p.add_argument("--variant-kernels", default="wy,dqk,precompute,state,reverse,out,dout",
                    help="kernels whose KERNEL_VARIANTS the variants step times, in this order")
     p.add_argument("--variant-shapes", default="f32", help="comma-separated shapes of the variants step: "
-                   "f32 (B2 H8 T8192 d64), bf16 (B2 H16 T8192 d128), f32_128 (B2 H8 T8192 d128)")
+                   "f32 (B2 H8 T8192 d64), bf16 (B2 H16 T8192 d128), f32_128 (B2 H8 T8192 d128), "
+                   "f32_256 / bf16_256 (B2 H8 T4096 d256)")
     p.add_argument("--kernels", default="", help="comma-separated kernel names to time (default: all)")
     p.add_argument("--shipped-only", action="store_true", help="time the shipped form only")
     p.add_argument("--variant-match", default="", help="variants step: only labels containing this")
+    p.add_argument("--warp-sweep", default="", help="variants step: comma-separated warp counts, each kernel "
+                   "alone at each (labels kw<n>)")
     args = p.parse_args()
     KERNELS_ONLY.update(x for x in args.kernels.split(",") if x)
     SHIPPED_ONLY[0] = args.shipped_only
     VARIANT_MATCH[0] = args.variant_match
+    WARP_SWEEP.extend(int(x) for x in args.warp_sweep.split(",") if x)
     interp = args.smoke
     OUT_DIR[0] = args.out
     if interp:
@@ -393,7 +408,11 @@ def main():
         shapes = {"f32": (f32_label, f32_shape, jnp.float32),
                   "bf16": (bf16_label, bf16_shape, jnp.bfloat16),
                   "f32_128": ("B2 H8 T8192 d128 f32" if not interp else "smoke f32 d32",
-                              (2, 8, 8192, 128) if not interp else (1, 2, 100, 32), jnp.float32)}
+                              (2, 8, 8192, 128) if not interp else (1, 2, 100, 32), jnp.float32),
+                  "f32_256": ("B2 H8 T4096 d256 f32" if not interp else "smoke f32 d32",
+                              (2, 8, 4096, 256) if not interp else (1, 2, 100, 32), jnp.float32),
+                  "bf16_256": ("B2 H8 T4096 d256 bf16" if not interp else "smoke bf16 d32",
+                               (2, 8, 4096, 256) if not interp else (1, 2, 100, 32), jnp.bfloat16)}
         for name in args.variant_shapes.split(","):
             label, shape, dtype = shapes[name]
             guarded(f"kernel variants {name}", time_kernels, label, shape, dtype, True, interp,
