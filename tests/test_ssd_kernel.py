@@ -166,17 +166,17 @@ def test_extreme_decays(case):
 
 @pytest.mark.parametrize("with_beta, x64", [(True, False), (False, False), (True, True)])
 def test_front_end_default(with_beta, x64):
-    """impl="ssd" through gated_delta_rule: backward "auto" is the chunked XLA backward for float32 with beta
-    and a head dim over 64, the Pallas backward otherwise (the faster on the H200); both against the float64
-    recurrence, with jax_enable_x64 on too. The first CASES' shapes (dv 24 and, for the XLA backward, 72)."""
-    dv = 72 if with_beta and x64 else 24
+    """impl="ssd" through gated_delta_rule: backward "auto" is the chunked XLA backward with beta and a head
+    dim over 128, the Pallas backward otherwise (the faster on the H200); both against the float64
+    recurrence, with jax_enable_x64 on too. The first CASES' shapes (dv 24 and, for the XLA backward, 136)."""
+    dv = 136 if with_beta and x64 else 24
     inputs = make_inputs(77, 1, 2, 77, 8, dv, with_beta=with_beta, with_state=with_beta)
     static = lambda dtype, dv=dv: ssd_module.make_static(  # noqa: E731
         *(inputs[n][..., :dv].astype(dtype) for n in "qkv"), inputs.get("beta"), scale=1.0, chunk_size=32,
         interpret=True, config=None, device_kind=None)
-    assert static(jnp.float32).backward == ("xla" if with_beta and dv > 64 else "pallas")
-    assert static(jnp.float32, 64).backward == "pallas"
-    assert static(jnp.bfloat16).backward == "pallas"
+    for dtype in (jnp.float32, jnp.bfloat16):
+        assert static(dtype).backward == ("xla" if with_beta and dv > 128 else "pallas")
+        assert static(dtype, 128).backward == "pallas"
     front = functools.partial(gated_delta_rule, impl="ssd", chunk_size=32, interpret=INTERPRET)
     with jax.enable_x64(x64):
         errs = errors(front, inputs, seed=77)
@@ -341,8 +341,9 @@ def test_small_f32_dot_lowers_and_matches():
 # GPU (pytest -m gpu on the device machine)
 # ---------------------------------------------------------------------------------------------------
 
-# Four compiles (each fwd+bwd compiles about ten Triton kernels): the H200's transition form with beta
-# (dk 64), the two-step form without beta and dk != dv (dk 128), bf16 at dk 128, and head dims 256.
+# Five compiles (each fwd+bwd compiles about ten Triton kernels): the H200's transition form with beta
+# (dk 64), the two-step form without beta and dk != dv (dk 128), float32 dk 128 with beta, bf16 at dk 128,
+# and head dims 256.
 
 @pytest.mark.gpu
 def test_gpu_float32_deterministic_and_matches_chunked():
@@ -355,7 +356,8 @@ def test_gpu_float32_deterministic_and_matches_chunked():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dk, dv, with_beta, seq_len", [(128, 64, False, 1000), (256, 256, True, 300)])
+@pytest.mark.parametrize("dk, dv, with_beta, seq_len", [(128, 64, False, 1000), (128, 128, True, 700),
+                                                          (256, 256, True, 300)])
 def test_gpu_float32(dk, dv, with_beta, seq_len):
     inputs = make_inputs(12, 2, 2, seq_len, dk, dv, with_beta=with_beta, la_lo=-2.0)
     assert_close(errors(ssd(64), inputs, seed=12), TOLERANCES["float32"])

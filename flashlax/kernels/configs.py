@@ -460,19 +460,24 @@ SSD_CONFIGS: dict[str, dict[tuple[int, str], SSDConfig]] = {
         # (precompute 0.235 + mh 0.104 + state 0.222 + out 0.255; reverse 0.210 vs 0.690). Session 13: bf16
         # dk128's output kernel at 4 warps (0.148 vs 0.244 ms at 8; forward 1.11 vs 1.22 ms end to end); float32
         # dk128's precompute at 4 warps (0.952 vs 6.18 ms at 8: the forward was 7.90 ms against chunked's 3.74).
+        # Session 14 (per-kernel warp sweep, gpu_ssd.py --warp-sweep): bf16 dk128's precompute at 2 warps (0.266
+        # vs 0.560 ms at 8, 0.315 at 4, 0.520 at 1; its backward form 0.277 vs 0.580); float32 dk128's output
+        # and dout kernels at 4 warps (0.407 vs 0.672, 0.159 vs 0.235 ms; its dqk stays at 8: 2.69 at 4, 2.40);
+        # bf16 dk256's output and state kernels at 4 warps (B2 H8 T4096: 0.322 vs 0.500, 0.404 vs 0.651 ms; dqk
+        # 7.65 at 4 vs 6.00).
         (64, "32"): SSDConfig(block=64, block_v=64, state_block_v=16, state_stages=3, f32_dot="tf32x3",
                               transition=True, mh_kernel=True, blocks=(("wy", 16),)),
         (128, "32"): SSDConfig(block=64, block_v=64, num_warps=8, state_block_v=16, state_stages=2,
-                               f32_dot="tf32x3", warps=(("wy", 4), ("precompute", 4))),
+                               f32_dot="tf32x3", warps=(("wy", 4), ("precompute", 4), ("out", 4), ("dout", 4))),
         (256, "32"): SSDConfig(block=16, block_v=32, num_warps=8, state_block_v=16, state_warps=8,
                                state_stages=1, max_chunk=64, f32_dot="tf32x3"),
         (64, "16"): SSDConfig(block=64, block_v=64, state_block_v=32, state_stages=2, f32_dot="tf32x3",
                               transition=True),
         (128, "16"): SSDConfig(block=64, block_v=64, num_warps=8, state_block_v=32, state_stages=2,
                                f32_dot="tf32x3", blocks=(("wy", 16),), dqk_block_k=64,
-                               warps=(("wy", 4), ("dqk", 4), ("out", 4))),
+                               warps=(("wy", 4), ("dqk", 4), ("out", 4), ("precompute", 2))),
         (256, "16"): SSDConfig(block=16, block_v=32, num_warps=8, state_block_v=16, state_warps=8,
-                               state_stages=1, max_chunk=64, f32_dot="tf32x3"),
+                               state_stages=1, max_chunk=64, f32_dot="tf32x3", warps=(("out", 4), ("state", 4))),
     },
     # RTX 3090: not run on one (no such machine here); its float32 and tf32 rates are about equal, so IEEE.
     "rtx3090": {

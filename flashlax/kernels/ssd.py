@@ -1,7 +1,7 @@
 """gated_delta_rule on the GPU, impl "ssd": Pallas kernels (Triton lowering), forward; the Pallas backward is in
 :mod:`flashlax.kernels.ssd_bwd`. ``backward="auto"`` (the default) takes the faster backward on the H200: the
-chunked XLA path's backward for float32 with beta and a head dim over 64, the Pallas kernels otherwise; both
-on the same residuals, the inputs.
+chunked XLA path's backward with beta and a head dim over 128, the Pallas kernels otherwise; both on the same
+residuals, the inputs.
 
 The chunked algorithm of ``flashlax/fallbacks/linear.py`` (see its docstring for the algebra) split into
 kernels by parallelism. Per chunk of C tokens with state ``S`` at its start::
@@ -315,8 +315,8 @@ def make_static(q, k, v, beta, *, scale: float, chunk_size: int, interpret: bool
     check_ssd_config(cfg, dk, dv, chunk, q.dtype, kind)
     if backward not in ("auto", "pallas", "xla"):
         raise ValueError(f"gated_delta_rule_ssd: backward must be 'auto', 'pallas' or 'xla', got {backward!r}")
-    if backward == "auto":      # the faster one on the H200 (docs/PERF_NOTES.md, sessions 8, 9 and 11)
-        backward = "xla" if beta is not None and q.dtype == jnp.float32 and max(dk, dv) > 64 else "pallas"
+    if backward == "auto":      # the faster one on the H200 (docs/PERF_NOTES.md, sessions 8, 9, 11 and 14)
+        backward = "xla" if beta is not None and max(dk, dv) > 128 else "pallas"
     return Static(backward=backward, config=cfg, scale=float(scale), chunk=chunk, seq_len=seq_len, dk=dk, dv=dv,
                   has_beta=beta is not None, dtype=jnp.dtype(q.dtype), interpret=bool(interpret),
                   tf32=uses_tf32(q.dtype))
