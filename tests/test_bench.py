@@ -1,6 +1,7 @@
 """The benchmark (python -m flashlax.bench): results schema on a tiny run of every suite, error rows for GPU
 kernels on CPU, the timing/error helpers, --report (table + PNG) and --compare."""
 
+import copy
 import json
 import math
 import os
@@ -296,10 +297,26 @@ def _tiny_quick_configs(gpu, interpret, torch_available):
     return cfgs
 
 
+_QUICK_ROWS: dict = {}
+
+
+def _run_suite_once(suite, cfg):
+    """quick.suites.run_suite, run once per (suite, config) in this process and replayed after: the two main
+    job tests below run the same tiny suites (each real run takes tens of seconds on the 2-core CI box)."""
+    key = (suite, repr(sorted(cfg.items())))
+    if key not in _QUICK_ROWS:
+        _QUICK_ROWS[key] = _REAL_RUN_SUITE(suite, cfg)
+    return copy.deepcopy(_QUICK_ROWS[key])
+
+
+_REAL_RUN_SUITE = quick.suites.run_suite
+
+
 def test_main_job_writes_json_md_png(tmp_path, monkeypatch, capsys):
     """The main job (--quick) on CPU writes the results JSON (valid schema), the markdown report and the
     PNG next to --output and names them; interpreted Pallas rows are marked, not timed."""
     monkeypatch.setattr(quick, "configs", _tiny_quick_configs)
+    monkeypatch.setattr(quick.suites, "run_suite", _run_suite_once)
     path = tmp_path / "quick-cpu.json"
     assert cli.main(["--quick", "--output", str(path)]) == 0
     out = capsys.readouterr().out
@@ -317,10 +334,9 @@ def test_main_job_writes_json_md_png(tmp_path, monkeypatch, capsys):
 
 def test_main_job_exits_nonzero_on_a_failing_row(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(quick, "configs", _tiny_quick_configs)
-    real = quick.suites.run_suite
 
     def with_wrong_row(suite, cfg):
-        rows = real(suite, cfg)
+        rows = _run_suite_once(suite, cfg)
         if suite == "linear":
             rows[0] = dict(rows[0], rel_err=0.5)       # a wrong result of flashlax's chunked path
         return rows

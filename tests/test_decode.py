@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import flashlax
-from conftest import TOLERANCES, rel_err
+from conftest import TOLERANCES, normal, rel_err
 from flashlax import masks, score_mods
 from flashlax.fallbacks.decode import choose_num_splits, decode_attention_xla
 from flashlax.reference import attention_reference, decode_reference
@@ -19,11 +19,11 @@ IMPLS = flashlax.available_impls("decode_attention")
 
 
 def _inputs(seed, batch, q_heads, kv_heads, q_len, max_len, head_dim, dtype=jnp.float32):
-    keys = jax.random.split(jax.random.PRNGKey(seed), 4)
-    q = jax.random.normal(keys[0], (batch, q_heads, q_len, head_dim), jnp.float32).astype(dtype)
-    k = jax.random.normal(keys[1], (batch, kv_heads, max_len, head_dim), jnp.float32).astype(dtype)
-    v = jax.random.normal(keys[2], (batch, kv_heads, max_len, head_dim), jnp.float32).astype(dtype)
-    lens = jax.random.randint(keys[3], (batch,), q_len, max_len + 1, jnp.int32)
+    rng = np.random.default_rng(seed)
+    q = normal(rng, (batch, q_heads, q_len, head_dim), dtype)
+    k = normal(rng, (batch, kv_heads, max_len, head_dim), dtype)
+    v = normal(rng, (batch, kv_heads, max_len, head_dim), dtype)
+    lens = jnp.asarray(rng.integers(q_len, max_len + 1, (batch,)), jnp.int32)
     return q, k, v, lens
 
 

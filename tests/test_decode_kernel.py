@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import TOLERANCES, on_gpu, rel_err
+from conftest import TOLERANCES, normal, on_gpu, rel_err
 from flashlax import masks, score_mods
 from flashlax.fallbacks.decode import decode_attention_xla
 from flashlax.kernels import configs
@@ -35,13 +35,14 @@ def _inputs(seed, batch, q_heads, kv_heads, q_len, max_len, head_dim, dtype=jnp.
             kv_lens=None):
     """Fresh random q, caches and kv_lens (given, or random in [Lq, Lmax] with the first = Lmax); every
     cache row at or past kv_lens is NaN."""
-    keys = jax.random.split(jax.random.PRNGKey(seed), 4)
-    q = jax.random.normal(keys[0], (batch, q_heads, q_len, head_dim), jnp.float32).astype(dtype)
-    k = jax.random.normal(keys[1], (batch, kv_heads, max_len, head_dim), jnp.float32).astype(dtype)
-    v = jax.random.normal(keys[2], (batch, kv_heads, max_len, head_dim_v or head_dim), jnp.float32).astype(dtype)
+    rng = np.random.default_rng(seed)
+    q = normal(rng, (batch, q_heads, q_len, head_dim), dtype)
+    k = normal(rng, (batch, kv_heads, max_len, head_dim), dtype)
+    v = normal(rng, (batch, kv_heads, max_len, head_dim_v or head_dim), dtype)
     if kv_lens is None:
-        lens = jax.random.randint(keys[3], (batch,), q_len, max_len + 1, jnp.int32)
-        lens = lens.at[0].set(max_len)                   # one full cache: the last, ragged tile
+        lens = rng.integers(q_len, max_len + 1, (batch,))
+        lens[0] = max_len                                # one full cache: the last, ragged tile
+        lens = jnp.asarray(lens, jnp.int32)
     else:
         lens = jnp.asarray(kv_lens, jnp.int32)
     return q, _poison(k, lens), _poison(v, lens), lens
@@ -55,7 +56,8 @@ def _poison(cache, kv_lens):
 def _reference(q, k, v, kv_lens, scale=None, **mods):
     with jax.enable_x64(True):
         f64 = lambda x: jnp.asarray(np.asarray(x, np.float64))  # noqa: E731
-        out, lse = decode_reference(f64(q), f64(k), f64(v), kv_lens=jnp.asarray(kv_lens), scale=scale, **mods)
+        out, lse = jax.jit(lambda q, k, v, kv_lens: decode_reference(q, k, v, kv_lens=kv_lens, scale=scale, **mods))(
+            f64(q), f64(k), f64(v), jnp.asarray(kv_lens))
         return np.asarray(out), np.asarray(lse)
 
 
@@ -159,7 +161,7 @@ def test_value_head_dim_and_scale():
     _check(out, lse, *_reference(q, k, v, lens, scale=-0.2), q.dtype)
 
 
-_KEEP = jax.random.bernoulli(jax.random.PRNGKey(5), 0.6, (2, 90))
+_KEEP = jnp.asarray(np.random.default_rng(5).random((2, 90)) < 0.6)
 _BIAS = jnp.linspace(-0.5, 0.5, 4)
 MODS = {
     "window": dict(mask_mod=masks.sliding_window(11)),
@@ -328,7 +330,7 @@ def test_gpu_matches_xla(case):
     reference on the GPU."""
     batch, hq, hkv, lq, max_len, d, dtype, mods = case
     q, k, v, lens = _inputs(11, batch, hq, hkv, lq, max_len, d, jnp.dtype(dtype))
-    keep = jax.random.bernoulli(jax.random.PRNGKey(2), 0.5, (batch, max_len))
+    keep = jnp.asarray(np.random.default_rng(2).random((batch, max_len)) < 0.5)
     kw = {None: {}, "alibi+window": dict(score_mod=score_mods.alibi(jnp.linspace(0.01, 0.1, hq)),
                                          mask_mod=masks.sliding_window(3000)),
           "softcap": dict(score_mod=score_mods.softcap(3.0)),

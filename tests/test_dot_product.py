@@ -7,22 +7,24 @@ import numpy as np
 import pytest
 
 import flashlax
-from conftest import TOLERANCES, rel_err
+from conftest import TOLERANCES, normal, rel_err
 
 B, T, S, N, K, H = 2, 13, 17, 6, 2, 32
 
 
 def _inputs(seed=0, dtype=jnp.float32, t=T, s=S, n=N, k=K, h=H):
-    keys = jax.random.split(jax.random.PRNGKey(seed), 7)
-    q = jax.random.normal(keys[0], (B, t, n, h), jnp.float32).astype(dtype)
-    key = jax.random.normal(keys[1], (B, s, k, h), jnp.float32).astype(dtype)
-    value = jax.random.normal(keys[2], (B, s, k, h), jnp.float32).astype(dtype)
+    rng = np.random.default_rng(seed)
+    q = normal(rng, (B, t, n, h), dtype)
+    key = normal(rng, (B, s, k, h), dtype)
+    value = normal(rng, (B, s, k, h), dtype)
+    mask = rng.random((B, 1, t, s)) < 0.7
+    mask[0, 0, 3] = False                                                              # a fully masked row
     extras = dict(
-        bias=jax.random.normal(keys[3], (1, n, t, s), jnp.float32),
-        bias_b=jax.random.normal(keys[3], (B, 1, 1, s), jnp.float32),
-        mask=jax.random.bernoulli(keys[4], 0.7, (B, 1, t, s)).at[0, 0, 3].set(False),  # a fully masked row
-        mask_full=jax.random.bernoulli(keys[4], 0.8, (B, n, t, s)),
-        dout=jax.random.normal(keys[5], (B, t, n, h), jnp.float32),
+        bias=normal(rng, (1, n, t, s)),
+        bias_b=normal(rng, (B, 1, 1, s)),
+        mask=jnp.asarray(mask),
+        mask_full=jnp.asarray(rng.random((B, n, t, s)) < 0.8),
+        dout=normal(rng, (B, t, n, h)),
     )
     return q, key, value, extras
 
@@ -180,11 +182,11 @@ def test_debug_infs_with_fully_masked_rows():
 
 def test_vmap_over_an_extra_batch_axis():
     """jax's batching tests: vmap over a leading axis of q/k/v and the bias (with rank promotion 'raise')."""
-    keys = jax.random.split(jax.random.PRNGKey(12), 4)
-    qs = jax.random.normal(keys[0], (3, B, T, N, H))
-    ks = jax.random.normal(keys[1], (3, B, S, K, H))
-    vs = jax.random.normal(keys[2], (3, B, S, K, H))
-    bias = jax.random.normal(keys[3], (3, 1, N, T, S))
+    rng = np.random.default_rng(12)
+    qs = normal(rng, (3, B, T, N, H))
+    ks = normal(rng, (3, B, S, K, H))
+    vs = normal(rng, (3, B, S, K, H))
+    bias = normal(rng, (3, 1, N, T, S))
     fn = lambda impl: jax.vmap(lambda q, k, v, b: impl(q, k, v, bias=b, is_causal=True))
     out = fn(flashlax.dot_product_attention)(qs, ks, vs, bias)
     ref = fn(jax.nn.dot_product_attention)(qs, ks, vs, bias)
@@ -197,9 +199,9 @@ def test_vmap_over_an_extra_batch_axis():
 def test_flax_nnx_attention_fn():
     nnx = pytest.importorskip("flax.nnx")
     features, heads, length = 48, 4, 11
-    x = jax.random.normal(jax.random.PRNGKey(0), (2, length, features))
+    x = normal(0, (2, length, features))
     mask = nnx.make_causal_mask(jnp.ones((2, length)))
-    mask = mask * (jax.random.uniform(jax.random.PRNGKey(1), (2, 1, length, length)) < 0.8)  # float, as flax's
+    mask = mask * jnp.asarray(np.random.default_rng(1).random((2, 1, length, length)) < 0.8)  # float, as flax's
     make = lambda fn: nnx.MultiHeadAttention(num_heads=heads, in_features=features, decode=False,
                                              attention_fn=fn, rngs=nnx.Rngs(0))
     ours, theirs = make(flashlax.dot_product_attention), make(nnx.dot_product_attention)
@@ -212,7 +214,7 @@ def test_flax_nnx_attention_fn():
 def test_flax_linen_attention_fn():
     linen = pytest.importorskip("flax.linen")
     features, heads, length = 32, 4, 9
-    x = jax.random.normal(jax.random.PRNGKey(2), (2, length, features))
+    x = normal(2, (2, length, features))
     mask = linen.make_causal_mask(jnp.ones((2, length)))
     ours = linen.MultiHeadDotProductAttention(num_heads=heads, attention_fn=flashlax.dot_product_attention)
     theirs = linen.MultiHeadDotProductAttention(num_heads=heads)

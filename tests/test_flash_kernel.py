@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from conftest import TOLERANCES, on_gpu, rel_err
+from conftest import TOLERANCES, normal, on_gpu, rel_err
 from flashlax import masks, score_mods
 from flashlax.kernels import _tiles
 from flashlax.kernels.configs import FlashConfig, flash_config
@@ -29,19 +29,19 @@ TINY_PACK = FlashConfig(block_q=32, block_kv=16, num_warps=4, num_stages=1, pack
 
 
 def _inputs(seed, bsz, hq, hkv, lq, lkv, d, dv=None, dtype=jnp.float32):
-    keys = jax.random.split(jax.random.PRNGKey(seed), 3)
-    q = jax.random.normal(keys[0], (bsz, hq, lq, d), jnp.float32).astype(dtype)
-    k = jax.random.normal(keys[1], (bsz, hkv, lkv, d), jnp.float32).astype(dtype)
-    v = jax.random.normal(keys[2], (bsz, hkv, lkv, dv or d), jnp.float32).astype(dtype)
+    rng = np.random.default_rng(seed)
+    q = normal(rng, (bsz, hq, lq, d), dtype)
+    k = normal(rng, (bsz, hkv, lkv, d), dtype)
+    v = normal(rng, (bsz, hkv, lkv, dv or d), dtype)
     return q, k, v
 
 
 def _reference(q, k, v, score_mod=None, mask_mod=None, scale=None):
-    """float64 (out, lse) as numpy arrays."""
+    """float64 (out, lse) as numpy arrays (one jitted program, not one compile per eager op)."""
     with jax.enable_x64():
         f64 = lambda x: jnp.asarray(np.asarray(x, np.float64))
-        out, lse = attention_reference(f64(q), f64(k), f64(v), score_mod=score_mod, mask_mod=mask_mod,
-                                       scale=scale)
+        out, lse = jax.jit(lambda q, k, v: attention_reference(q, k, v, score_mod=score_mod, mask_mod=mask_mod,
+                                                               scale=scale))(f64(q), f64(k), f64(v))
         return np.asarray(out), np.asarray(lse)
 
 
@@ -96,11 +96,11 @@ def _mods(mask, mod, bsz, hq, lq, lkv):
                 # rows < 20 see nothing: fully masked rows must give 0 and lse -inf
                 "late": lambda b, h, i, j: (i >= 20) & (j <= i),
                 "striped": lambda b, h, i, j: (j // 32) % 2 == 0}[mask]
-    keys = jax.random.split(jax.random.PRNGKey(7), 2)
-    score_mod = {None: None, "alibi": score_mods.alibi(jax.random.uniform(keys[0], (hq,))),
+    rng = np.random.default_rng(7)
+    score_mod = {None: None, "alibi": score_mods.alibi(jnp.asarray(rng.uniform(size=hq), jnp.float32)),
                  "softcap": score_mods.softcap(2.0),
                  "relative_bias": score_mods.relative_bias(
-                     jax.random.normal(keys[1], (hq, 2 * max(lq, lkv) - 1)))}[mod]
+                     normal(rng, (hq, 2 * max(lq, lkv) - 1)))}[mod]
     return score_mod, mask_mod
 
 
@@ -212,8 +212,8 @@ def test_block_mask_shape_mismatch_raises():
 @pytest.mark.parametrize("return_lse", [False, True])
 def test_gradients_including_captured_table(return_lse):
     q, k, v = _inputs(8, 1, 4, 2, 33, 33, 32)
-    table = jax.random.normal(jax.random.PRNGKey(9), (4, 2 * 33 - 1))
-    w = jax.random.normal(jax.random.PRNGKey(10), q.shape)
+    table = normal(9, (4, 2 * 33 - 1))
+    w = normal(10, q.shape)
 
     def loss(fn, q, k, v, table):
         out = fn(q, k, v, table)
@@ -232,7 +232,8 @@ def test_gradients_including_captured_table(return_lse):
     grads = jax.grad(lambda *a: loss(kernel, *a), argnums=(0, 1, 2, 3))(q, k, v, table)
     with jax.enable_x64():
         f64 = lambda x: jnp.asarray(np.asarray(x, np.float64))
-        ref = jax.grad(lambda *a: loss(reference, *a), argnums=(0, 1, 2, 3))(f64(q), f64(k), f64(v), f64(table))
+        ref = jax.jit(jax.grad(lambda *a: loss(reference, *a), argnums=(0, 1, 2, 3)))(f64(q), f64(k), f64(v),
+                                                                                       f64(table))
     for g, r in zip(grads, ref):
         assert rel_err(g, r) < 1e-4
 
@@ -264,7 +265,7 @@ def test_tile_reads_counts_tile_shaped_gathers():
 
 def test_unsupported_captured_slice_falls_back_to_xla():
     """A mod that reduces a captured array (not a point read) runs on the XLA path, with equal results."""
-    table = jax.random.normal(jax.random.PRNGKey(11), (2, 40))
+    table = normal(11, (2, 40))
 
     def row_bias(score, b, h, q_idx, kv_idx):
         return score + jnp.max(table) * (kv_idx - q_idx).astype(score.dtype) * 0.1

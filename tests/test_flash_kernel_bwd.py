@@ -164,8 +164,12 @@ def run_case(case: Case, *, config=TINY, interpret=True):
                 score_mod=None if score_builder is None else score_builder(*scaps),
                 mask_mod=None if mask_builder is None else mask_builder(*mcaps64))
 
-        (out, lse), vjp = jax.vjp(f, *(jnp.asarray(x) for x in (q, k, v)), scaps64)
-        ref_grads = vjp((jnp.asarray(dout), jnp.zeros_like(lse)))
+        @jax.jit          # one program, not one compile per eager op
+        def out_lse_grads(q_, k_, v_, scaps, dout_):
+            (out, lse), vjp = jax.vjp(f, q_, k_, v_, scaps)
+            return out, lse, vjp((dout_, jnp.zeros_like(lse)))
+
+        out, lse, ref_grads = out_lse_grads(*(jnp.asarray(x) for x in (q, k, v)), scaps64, jnp.asarray(dout))
         ref_grads = jax.tree.map(np.asarray, ref_grads)
         out, lse = np.asarray(out), np.asarray(lse)
     mask_caps32 = tuple(jnp.asarray(c) for c in mask_caps)

@@ -14,24 +14,20 @@ import flashlax
 from flashlax import masks, score_mods
 from flashlax.fallbacks import attention as xla_attention
 from flashlax.reference import attention_reference
-from conftest import TOLERANCES, rel_err
+from conftest import TOLERANCES, normal, rel_err
 
 IMPLS = flashlax.available_impls("flex_attention")
 GROUPS = (1, 2, 3, 4, 6, 8)
 HEAD_DIMS = (32, 64, 96, 128, 256)
 
 
-def _normal(key, shape, dtype=jnp.float32):
-    return jax.random.normal(key, shape, jnp.float32).astype(dtype)
-
-
 def _inputs(seed, batch, q_heads, kv_heads, q_len, kv_len, head_dim, v_dim, dtype=jnp.float32):
-    keys = jax.random.split(jax.random.PRNGKey(seed), 5)
-    q = _normal(keys[0], (batch, q_heads, q_len, head_dim), dtype)
-    k = _normal(keys[1], (batch, kv_heads, kv_len, head_dim), dtype)
-    v = _normal(keys[2], (batch, kv_heads, kv_len, v_dim), dtype)
-    dout = _normal(keys[3], (batch, q_heads, q_len, v_dim))
-    dlse = _normal(keys[4], (batch, q_heads, q_len))
+    rng = np.random.default_rng(seed)
+    q = normal(rng, (batch, q_heads, q_len, head_dim), dtype)
+    k = normal(rng, (batch, kv_heads, kv_len, head_dim), dtype)
+    v = normal(rng, (batch, kv_heads, kv_len, v_dim), dtype)
+    dout = normal(rng, (batch, q_heads, q_len, v_dim))
+    dlse = normal(rng, (batch, q_heads, q_len))
     return q, k, v, dout, dlse
 
 
@@ -73,7 +69,7 @@ def make_score_mod(name, q_heads, q_len, kv_len, seed=0):
         return (lambda _: score_mods.softcap(2.0)), None
     if name == "relative_bias":
         span = 2 * max(q_len, kv_len) - 1
-        table = jax.random.normal(jax.random.PRNGKey(seed + 7), (q_heads, span), jnp.float32)
+        table = normal(seed + 7, (q_heads, span))
         return score_mods.relative_bias, table
     raise ValueError(name)
 
@@ -397,12 +393,12 @@ def test_long_sequence_runs_in_linear_memory():
 
 def test_vmap_over_captured_arrays():
     """vmap over per-example segment ids and bias tables (traced block masks, batched schedules)."""
-    keys = jax.random.split(jax.random.PRNGKey(12), 5)
-    q = jax.random.normal(keys[0], (3, 1, 4, 40, 16))
-    k = jax.random.normal(keys[1], (3, 1, 2, 40, 16))
-    v = jax.random.normal(keys[2], (3, 1, 2, 40, 16))
-    seg = jnp.sort(jax.random.randint(keys[3], (3, 1, 40), 0, 3), axis=-1)
-    table = jax.random.normal(keys[4], (3, 4, 79))
+    rng = np.random.default_rng(12)
+    q = normal(rng, (3, 1, 4, 40, 16))
+    k = normal(rng, (3, 1, 2, 40, 16))
+    v = normal(rng, (3, 1, 2, 40, 16))
+    seg = jnp.asarray(np.sort(rng.integers(0, 3, (3, 1, 40)), axis=-1), jnp.int32)
+    table = normal(rng, (3, 4, 79))
 
     def f(q, k, v, seg, table):
         return flashlax.flex_attention(q, k, v, mask_mod=masks.document(seg),

@@ -74,7 +74,8 @@ def reference(inputs, cotangents, scale=None):
         cot64 = tuple(jnp.asarray(np.asarray(c, np.float64)) for c in cotangents)
         dk = inputs["q"].shape[-1]
         fn = functools.partial(gated_delta_rule_reference, scale=dk ** -0.5 if scale is None else scale)
-        o, state, grads = run_with_grads(fn, inputs64, cot64)
+        # one jitted program (eagerly, every op of the scan's derivative compiles on its own)
+        o, state, grads = jax.jit(lambda inputs, cot: run_with_grads(fn, inputs, cot))(inputs64, cot64)
         return np.asarray(o), np.asarray(state), {n: np.asarray(g) for n, g in grads.items()}
 
 
@@ -167,14 +168,15 @@ def test_unit_lower_inverse_matches_numpy(size):
     """The UT-transform inverse (closed-form 8x8 diagonal blocks, then doubling; sizes that are not powers
     of two or below the base block are padded inside) against numpy's float64 inverse, with the entries'
     scale of the delta rule (beta up to 2, unit-norm keys)."""
-    key = jax.random.PRNGKey(size)
-    a = jnp.tril(jax.random.uniform(key, (3, 2, size, size), jnp.float32, -1.0, 1.0), -1) * 2.0 / np.sqrt(size)
-    got = np.asarray(_unit_lower_inverse(a), np.float64)
+    rng = np.random.default_rng(size)
+    a = jnp.asarray(np.tril(rng.uniform(-1.0, 1.0, (3, 2, size, size)), -1) * 2.0 / np.sqrt(size), jnp.float32)
+    inverse = jax.jit(_unit_lower_inverse)          # as the impls run it: inside a jitted program
+    got = np.asarray(inverse(a), np.float64)
     want = np.linalg.inv(np.eye(size) + np.asarray(a, np.float64))
     assert got.shape == want.shape
     np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max(), rtol=0)
     with jax.enable_x64():
-        got64 = np.asarray(_unit_lower_inverse(jnp.asarray(a, jnp.float64)))
+        got64 = np.asarray(inverse(jnp.asarray(a, jnp.float64)))
     np.testing.assert_allclose(got64, want, atol=1e-12 * np.abs(want).max(), rtol=0)
 
 

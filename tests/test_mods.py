@@ -15,7 +15,7 @@ import pytest
 import flashlax
 from flashlax import _mods, masks
 from flashlax.kernels import _tiles
-from conftest import TOLERANCES, rel_err
+from conftest import TOLERANCES, normal, rel_err
 
 B, HQ, HKV, LQ, LKV, D = 2, 4, 2, 11, 13, 16
 RNG = np.random.default_rng(0)
@@ -66,11 +66,11 @@ IMPLS = [("xla", False), ("repeat", False), ("pallas", True)]
 
 
 def _inputs(seed):
-    keys = jax.random.split(jax.random.PRNGKey(seed), 4)
-    q = jax.random.normal(keys[0], (B, HQ, LQ, D))
-    k = jax.random.normal(keys[1], (B, HKV, LKV, D))
-    v = jax.random.normal(keys[2], (B, HKV, LKV, D))
-    dout = jax.random.normal(keys[3], (B, HQ, LQ, D))
+    rng = np.random.default_rng(seed)
+    q = normal(rng, (B, HQ, LQ, D))
+    k = normal(rng, (B, HKV, LKV, D))
+    v = normal(rng, (B, HKV, LKV, D))
+    dout = normal(rng, (B, HQ, LQ, D))
     return q, k, v, dout
 
 
@@ -136,10 +136,10 @@ def test_decode_scalar_score_mods(name):
     """decode_attention gives mods the new token's absolute position as q_idx, with scalar meaning."""
     score_mod = SCORE_CATALOGUE[name][0]
     lq = 3
-    keys = jax.random.split(jax.random.PRNGKey(5), 3)
-    q = jax.random.normal(keys[0], (B, HQ, lq, D))
-    k = jax.random.normal(keys[1], (B, HKV, LKV, D))
-    v = jax.random.normal(keys[2], (B, HKV, LKV, D))
+    rng = np.random.default_rng(5)
+    q = normal(rng, (B, HQ, lq, D))
+    k = normal(rng, (B, HKV, LKV, D))
+    v = normal(rng, (B, HKV, LKV, D))
     kv_lens = np.array([9, LKV], np.int32)
     out = flashlax.decode_attention(q, k, v, kv_lens=jnp.asarray(kv_lens), score_mod=score_mod, impl="xla")
     # Dense reference: token i of batch b sits at position kv_lens[b] - lq + i.
@@ -187,7 +187,7 @@ def test_bad_mods_raise_naming_the_mod(op, kw, message):
 
 
 def test_block_mask_built_from_another_mod_raises():
-    q, k, v = (jax.random.normal(jax.random.PRNGKey(i), (1, 2, 1024, 16)) for i in range(3))
+    q, k, v = (normal(i, (1, 2, 1024, 16)) for i in range(3))
     bm = flashlax.create_block_mask(masks.causal, None, None, 1024, 1024)
     anti_causal = lambda b, h, q_idx, kv_idx: q_idx <= kv_idx
     with pytest.raises(ValueError, match="mask_mod differs from the one block_mask was built from"):
@@ -209,7 +209,7 @@ def test_block_mask_with_none_extent_for_a_mod_that_reads_it(reads):
         flashlax.create_block_mask(mod, None, None, 1024, 1024)
     # With the extent given, a head-dependent mask is right on every head at L = 1024 (several tiles).
     bm = flashlax.create_block_mask(mod, 2, 4, 1024, 1024)
-    q, k, v = (jax.random.normal(jax.random.PRNGKey(i), (2, 4, 1024, 16)) for i in range(3))
+    q, k, v = (normal(i, (2, 4, 1024, 16)) for i in range(3))
     out = flashlax.flex_attention(q, k, v, block_mask=bm)
     ref = flashlax.flex_attention(q, k, v, mask_mod=mod, impl="repeat")
     np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-5)

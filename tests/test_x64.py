@@ -14,16 +14,16 @@ import pytest
 import flashlax
 from flashlax import masks, score_mods
 from flashlax.reference import attention_reference
-from conftest import TOLERANCES, rel_err
+from conftest import TOLERANCES, normal, rel_err
 
 B, HQ, HKV, L, D = 2, 4, 2, 37, 16
 
 
 def _inputs(dtype, seed=0, lq=L, lkv=L):
-    keys = jax.random.split(jax.random.PRNGKey(seed), 3)
-    q = jax.random.normal(keys[0], (B, HQ, lq, D), jnp.float32).astype(dtype)
-    k = jax.random.normal(keys[1], (B, HKV, lkv, D), jnp.float32).astype(dtype)
-    v = jax.random.normal(keys[2], (B, HKV, lkv, D), jnp.float32).astype(dtype)
+    rng = np.random.default_rng(seed)
+    q = normal(rng, (B, HQ, lq, D), dtype)
+    k = normal(rng, (B, HKV, lkv, D), dtype)
+    v = normal(rng, (B, HKV, lkv, D), dtype)
     return q, k, v
 
 
@@ -90,8 +90,8 @@ def test_decode_attention_under_x64_with_int64_lengths():
 
 def test_dot_product_attention_under_x64_matches_jax():
     with jax.enable_x64():
-        keys = jax.random.split(jax.random.PRNGKey(4), 3)
-        q, k, v = (jax.random.normal(key, (B, 9, HKV * 2, D)) for key in keys)   # float64 in this mode
+        rng = np.random.default_rng(4)
+        q, k, v = (jnp.asarray(rng.standard_normal((B, 9, HKV * 2, D))) for _ in range(3))   # float64 here
         lengths = jnp.array([5, 9])                                              # int64
         out = flashlax.dot_product_attention(q, k, v, is_causal=True, key_value_seq_lengths=lengths)
         ref = jax.nn.dot_product_attention(q, k, v, is_causal=True,
@@ -103,12 +103,13 @@ def test_dot_product_attention_under_x64_matches_jax():
 
 @pytest.mark.parametrize("impl", ["recurrent", "chunked", "chunked_fat"])
 def test_gated_delta_rule_under_x64(impl):
-    keys = jax.random.split(jax.random.PRNGKey(5), 5)
+    rng = np.random.default_rng(5)
     shape = (1, 2, 21, 8)
-    q, k, v = (jax.random.normal(key, shape) for key in keys[:3])
-    k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
-    log_alpha = jax.nn.log_sigmoid(jax.random.normal(keys[3], shape[:3]) + 2.0)
-    beta = jax.nn.sigmoid(jax.random.normal(keys[4], shape[:3]))
+    q, k, v = (rng.standard_normal(shape) for _ in range(3))
+    k = k / np.linalg.norm(k, axis=-1, keepdims=True)
+    log_alpha = -np.logaddexp(0.0, -(rng.standard_normal(shape[:3]) + 2.0))       # log_sigmoid
+    beta = 1.0 / (1.0 + np.exp(-rng.standard_normal(shape[:3])))                    # sigmoid
+    q, k, v, log_alpha, beta = (jnp.asarray(x, jnp.float32) for x in (q, k, v, log_alpha, beta))
     ref = flashlax.gated_delta_rule(q, k, v, log_alpha, beta, impl=impl, chunk_size=16)
     with jax.enable_x64():
         out = jax.jit(lambda *a: flashlax.gated_delta_rule(*a, impl=impl, chunk_size=16))(q, k, v, log_alpha, beta)

@@ -45,6 +45,22 @@ def all_gathers(fn, *args) -> list[str]:
     return run_and_gathers(fn, *args)[1]
 
 
+def with_grads(fn, loss, argnums):
+    """``*args -> (fn(*args), gradients of loss(fn(*args)) with respect to args[argnums])``: the outputs come
+    out of the program that differentiates them, so one compile checks both (the forward's values, its
+    shardings and collectives are those of the forward inside it: the same custom_vjp forward)."""
+    def scalar(*args):
+        out = fn(*args)
+        return loss(out), out
+
+    value_and_grad = jax.value_and_grad(scalar, argnums=argnums, has_aux=True)
+
+    def run(*args):
+        (_, out), grads = value_and_grad(*args)
+        return out, grads
+    return run
+
+
 def specs(tree) -> list[tuple]:
     """The partition spec of every array in ``tree``."""
     return [tuple(x.sharding.spec) for x in jax.tree.leaves(tree)]

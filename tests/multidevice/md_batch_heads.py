@@ -10,7 +10,8 @@ from jax.sharding import PartitionSpec as P
 
 import flashlax
 from flashlax import masks, score_mods
-from _helpers import assert_close, put, run_and_gathers, specs
+from conftest import normal
+from _helpers import assert_close, put, run_and_gathers, specs, with_grads
 
 B, HQ, HKV, L, D = 4, 4, 2, 32, 16
 MESH = jax.make_mesh((4, 2), ("b", "h"))        # Explicit axes
@@ -18,7 +19,7 @@ BH = P("b", "h")
 
 
 def _normal(seed, shape):
-    return jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+    return normal(seed, shape)     # numpy draws: jax.random compiles for every shape (seconds here)
 
 
 SEG = jnp.asarray(np.sort(np.random.default_rng(0).integers(0, 3, (B, L)), axis=1), jnp.int32)
@@ -32,27 +33,25 @@ def _attention_inputs(kv_heads=HKV):
     return _normal(0, (B, HQ, L, D)), _normal(1, (B, kv_heads, L, D)), _normal(2, (B, kv_heads, L, D))
 
 
-def _loss(fn):
-    def loss(*args):
-        out = fn(*args)
-        return sum(jnp.sum(x * jnp.cos(x)) for x in jax.tree.leaves(out))
-    return loss
+def _loss(out):
+    return sum(jnp.sum(x * jnp.cos(x)) for x in jax.tree.leaves(out))
 
 
 def _check(fn, args, in_specs, out_spec, differentiable=True):
     """fn on sharded args == fn on one device (values, gradients); outputs sharded like the inputs;
-    no all-gather in the forward or backward program."""
+    no all-gather in the compiled program (forward and backward: one program gives the outputs and the
+    gradients)."""
     sharded = tuple(put(MESH, spec, x) for spec, x in zip(in_specs, args))
-    got, gathers = run_and_gathers(fn, *sharded)
-    assert_close(got, jax.jit(fn)(*args), what="forward")
-    for spec in specs(got):
+    run = with_grads(fn, _loss, tuple(range(len(args)))) if differentiable else fn
+    got, gathers = run_and_gathers(run, *sharded)
+    want = jax.jit(run)(*args)
+    out, want_out = (got[0], want[0]) if differentiable else (got, want)
+    assert_close(out, want_out, what="forward")
+    for spec in specs(out):
         assert spec[:len(out_spec)] == tuple(out_spec), f"output sharded {spec}, inputs {out_spec}"
-    assert gathers == [], "all-gather in the forward"
     if differentiable:
-        grad = jax.grad(_loss(fn), argnums=tuple(range(len(args))))
-        got, gathers = run_and_gathers(grad, *sharded)
-        assert_close(got, jax.jit(grad)(*args), what="gradients")
-        assert gathers == [], "all-gather in the backward"
+        assert_close(got[1], want[1], what="gradients")
+    assert gathers == [], "all-gather in the forward or backward"
 
 
 @pytest.mark.parametrize("impl", ["xla", "repeat", "pallas"])

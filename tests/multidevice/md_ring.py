@@ -10,19 +10,19 @@ from jax.sharding import AxisType, PartitionSpec as P
 import flashlax
 from flashlax import masks
 from flashlax.parallel.ring import from_zigzag, to_zigzag
-from _helpers import all_gathers, assert_close, put, specs
+from conftest import normal
+from _helpers import assert_close, put, specs, with_grads
 
 B, HQ, HKV, L, D = 2, 4, 2, 64, 16
 MESH = jax.make_mesh((2, 4), ("b", "sp"))            # Explicit: batch over b, sequence over sp
 SEQ = P("b", None, "sp")
 SEG = jnp.asarray(np.sort(np.random.default_rng(1).integers(0, 3, (B, L)), axis=1), jnp.int32)
-TABLE = 0.1 * jax.random.normal(jax.random.key(9), (HQ, 2 * L))
+TABLE = 0.1 * normal(9, (HQ, 2 * L))
 
 
 def _inputs():
-    keys = jax.random.split(jax.random.key(0), 3)
-    return (jax.random.normal(keys[0], (B, HQ, L, D)), jax.random.normal(keys[1], (B, HKV, L, D)),
-            jax.random.normal(keys[2], (B, HKV, L, D)))
+    rng = np.random.default_rng(0)      # numpy draws: jax.random compiles for every shape (seconds here)
+    return normal(rng, (B, HQ, L, D)), normal(rng, (B, HKV, L, D)), normal(rng, (B, HKV, L, D))
 
 
 def _bias(table):
@@ -47,32 +47,26 @@ def _attend(case, impl, context_axis):
     return fn
 
 
-def _loss(fn):
-    return lambda *a: sum(jnp.sum(x * jnp.cos(x)) for x in jax.tree.leaves(fn(*a)))
-
-
 @pytest.mark.parametrize("impl,case", [("xla", "full"), ("xla", "causal"), ("xla", "document_causal_bias_lse"),
                                        ("pallas", "causal"),
                                        pytest.param("pallas", "document_causal_bias_lse", marks=pytest.mark.slow)])
 def test_ring_matches_one_device(impl, case):
+    """Outputs and gradients of one device; the compiled ring program (forward and backward: outputs and
+    gradients come from one program) passes K/V around the ring and never all-gathers."""
     args = (TABLE,) + _inputs()
     ring, single = _attend(case, impl, "sp"), _attend(case, "xla", None)
-    grad = lambda fn: jax.jit(jax.grad(_loss(fn), argnums=(0, 1, 2, 3)))
+    loss = lambda out: sum(jnp.sum(x * jnp.cos(x)) for x in jax.tree.leaves(out))
+    run = lambda fn: jax.jit(with_grads(fn, loss, (0, 1, 2, 3)))
     with jax.set_mesh(MESH):
         sharded = (TABLE,) + put(MESH, SEQ, *args[1:])
-        got, got_grads = jax.jit(ring)(*sharded), grad(ring)(*sharded)
-    assert_close(got, jax.jit(single)(*args), what="forward")
-    assert_close(got_grads, grad(single)(*args), what="gradients (table, q, k, v)")
-    assert all(spec[:3] == ("b", None, "sp") for spec in specs(got) + specs(got_grads[1:]))
-
-
-def test_ring_program_has_no_all_gather():
-    fn = _attend("causal", "xla", "sp")
-    with jax.set_mesh(MESH):
-        sharded = (TABLE,) + put(MESH, SEQ, *_inputs())
-        hlo = jax.jit(jax.grad(_loss(fn), argnums=(1, 2, 3))).lower(*sharded).compile().as_text()
-        assert all_gathers(fn, *sharded) == []
+        compiled = run(ring).lower(*sharded).compile()
+        got, got_grads = compiled(*sharded)
+    hlo = compiled.as_text()
     assert "all-gather" not in hlo and "collective-permute" in hlo
+    want, want_grads = run(single)(*args)
+    assert_close(got, want, what="forward")
+    assert_close(got_grads, want_grads, what="gradients (table, q, k, v)")
+    assert all(spec[:3] == ("b", None, "sp") for spec in specs(got) + specs(got_grads[1:]))
 
 
 def test_ring_with_block_mask_inside_callers_shard_map():
@@ -84,9 +78,11 @@ def test_ring_with_block_mask_inside_callers_shard_map():
     mapped = jax.shard_map(lambda q, k, v: fn(q, k, v, "sp"), mesh=mesh, in_specs=P(None, None, "sp"),
                            out_specs=P(None, None, "sp"))
     args = _inputs()
-    assert_close(jax.jit(mapped)(*args), jax.jit(lambda *a: fn(*a, None))(*args))
-    grads = [jax.jit(jax.grad(_loss(f), argnums=(0, 1, 2)))(*args) for f in (mapped, lambda *a: fn(*a, None))]
-    assert_close(*grads, what="gradients")
+    loss = lambda out: jnp.sum(out * jnp.cos(out))
+    (got, got_grads), (want, want_grads) = (jax.jit(with_grads(f, loss, (0, 1, 2)))(*args)
+                                            for f in (mapped, lambda *a: fn(*a, None)))
+    assert_close(got, want)
+    assert_close(got_grads, want_grads, what="gradients")
 
 
 def test_zigzag_order():

@@ -9,14 +9,15 @@ from jax.sharding import PartitionSpec as P
 
 import flashlax
 from flashlax import masks, score_mods
-from _helpers import assert_close, put, specs
+from conftest import normal
+from _helpers import assert_close, put, specs, with_grads
 
 MESH = jax.make_mesh((2, 4), ("b", "sp"))
 SEQ = P("b", None, "sp")
 
 
 def _normal(seed, shape):
-    return jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+    return normal(seed, shape)     # numpy draws: jax.random compiles for every shape (seconds here)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -74,14 +75,15 @@ def test_gated_delta_rule(impl, with_beta):
                                          return_final_state=True, chunk_size=16, impl=impl, context_axis=ctx,
                                          interpret=impl == "ssd")
 
-    loss = lambda *a: sum(jnp.sum(x * jnp.cos(x)) for x in fn(*a))
-    grad = lambda ctx: jax.jit(jax.grad(lambda *a: loss(*a, ctx), argnums=tuple(range(6))))
+    loss = lambda out: sum(jnp.sum(x * jnp.cos(x)) for x in out)
+    # outputs and gradients from one program each (one compile, not two)
+    run = lambda ctx: jax.jit(with_grads(lambda *a: fn(*a, ctx), loss, tuple(range(6))))
     args = _gdr_inputs()
     with jax.set_mesh(MESH):
         sharded = put(MESH, SEQ, *args[:3]) + put(MESH, P("b", None, "sp"), *args[3:5]) + (put(MESH, P("b"), args[5]),)
-        got, got_grads = jax.jit(lambda *a: fn(*a, "sp"))(*sharded), grad("sp")(*sharded)
-    assert_close(got, jax.jit(lambda *a: fn(*a, None))(*args), what="outputs, final state")
-    grads = grad(None)(*args)
+        got, got_grads = run("sp")(*sharded)
+    want, grads = run(None)(*args)
+    assert_close(got, want, what="outputs, final state")
     assert_close(got_grads[:4] + got_grads[5:], grads[:4] + grads[5:], what="gradients")
     if with_beta:
         assert_close(got_grads[4], grads[4], what="d beta")
