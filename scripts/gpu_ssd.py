@@ -208,14 +208,18 @@ VARIANT_MATCH = [""]      # --variant-match: only the KERNEL_VARIANTS labels con
 WARP_SWEEP: list = []     # --warp-sweep: per-kernel warp counts ("kw<n>" variants, SSDConfig.warps overrides)
 
 
+def kernel_warps(cfg, kernel, n):
+    """cfg's SSDConfig.warps with ``kernel`` (precompute_bwd: the precompute kernel's backward form, which
+    shares its entry) at n warps."""
+    entry = "precompute" if kernel == "precompute_bwd" else kernel
+    return tuple(w for w in cfg.warps if w[0] != entry) + ((entry, n),)
+
+
 def kernel_variants(name, cfg):
-    """KERNEL_VARIANTS[name], plus a "kw<n>" variant per --warp-sweep count: that kernel alone at n warps
-    (precompute_bwd is the precompute kernel's backward form and shares its entry)."""
-    out = dict(KERNEL_VARIANTS.get(name, {}))
-    entry = "precompute" if name == "precompute_bwd" else name
-    for n in WARP_SWEEP:
-        out[f"kw{n}"] = dict(warps=tuple(w for w in cfg.warps if w[0] != entry) + ((entry, n),))
-    return out
+    """KERNEL_VARIANTS[name], plus a "kw<n>" variant per --warp-sweep count: that kernel alone at n warps."""
+    return {**KERNEL_VARIANTS.get(name, {}), **{f"kw{n}": dict(warps=kernel_warps(cfg, name, n)) for n in WARP_SWEEP}}
+
+
 CHAIN_FIELDS = {"reverse_rinc", "transition"}     # config fields that change what the kernels pass each other
 
 
@@ -288,7 +292,7 @@ def ssd_variant(label, dims, dtype, interpret, with_beta=True):
     if "+mh" in label:
         cfg = dataclasses.replace(cfg, mh_kernel=True)
     if "+o4" in label:
-        cfg = dataclasses.replace(cfg, warps=tuple(w for w in cfg.warps if w[0] != "out") + (("out", 4),))
+        cfg = dataclasses.replace(cfg, warps=kernel_warps(cfg, "out", 4))
     return dict(interpret=interpret, config=cfg)
 
 
@@ -405,14 +409,12 @@ def main():
                 args.deadline)
         save(args.out)
     if "variants" in steps:
-        shapes = {"f32": (f32_label, f32_shape, jnp.float32),
-                  "bf16": (bf16_label, bf16_shape, jnp.bfloat16),
-                  "f32_128": ("B2 H8 T8192 d128 f32" if not interp else "smoke f32 d32",
-                              (2, 8, 8192, 128) if not interp else (1, 2, 100, 32), jnp.float32),
-                  "f32_256": ("B2 H8 T4096 d256 f32" if not interp else "smoke f32 d32",
-                              (2, 8, 4096, 256) if not interp else (1, 2, 100, 32), jnp.float32),
-                  "bf16_256": ("B2 H8 T4096 d256 bf16" if not interp else "smoke bf16 d32",
-                               (2, 8, 4096, 256) if not interp else (1, 2, 100, 32), jnp.bfloat16)}
+        shapes = {"f32": (f32_label, f32_shape, jnp.float32), "bf16": (bf16_label, bf16_shape, jnp.bfloat16)}
+        for name, (t, d, dtype) in {"f32_128": (8192, 128, jnp.float32), "f32_256": (4096, 256, jnp.float32),
+                                    "bf16_256": (4096, 256, jnp.bfloat16)}.items():
+            tag = "f32" if dtype == jnp.float32 else "bf16"
+            shapes[name] = ((f"smoke {tag} d32", (1, 2, 100, 32), dtype) if interp else
+                            (f"B2 H8 T{t} d{d} {tag}", (2, 8, t, d), dtype))
         for name in args.variant_shapes.split(","):
             label, shape, dtype = shapes[name]
             guarded(f"kernel variants {name}", time_kernels, label, shape, dtype, True, interp,

@@ -18,9 +18,6 @@ MESH = jax.make_mesh((4, 2), ("b", "h"))        # Explicit axes
 BH = P("b", "h")
 
 
-def _normal(seed, shape):
-    return normal(seed, shape)     # numpy draws: jax.random compiles for every shape (seconds here)
-
 
 SEG = jnp.asarray(np.sort(np.random.default_rng(0).integers(0, 3, (B, L)), axis=1), jnp.int32)
 SLOPES = jnp.arange(1.0, HQ + 1) / HQ
@@ -30,7 +27,7 @@ ALIBI = score_mods.alibi(SLOPES)
 
 
 def _attention_inputs(kv_heads=HKV):
-    return _normal(0, (B, HQ, L, D)), _normal(1, (B, kv_heads, L, D)), _normal(2, (B, kv_heads, L, D))
+    return normal(0, (B, HQ, L, D)), normal(1, (B, kv_heads, L, D)), normal(2, (B, kv_heads, L, D))
 
 
 def _loss(out):
@@ -85,7 +82,7 @@ def test_flex_attention_sequence_sharded_without_context_axis():
 
 def test_dot_product_attention():
     q, k, v = (x.swapaxes(1, 2) for x in _attention_inputs())
-    bias = _normal(3, (1, HQ, L, L))
+    bias = normal(3, (1, HQ, L, L))
     fn = lambda q, k, v: flashlax.dot_product_attention(q, k, v, bias, is_causal=True)
     _check(fn, (q, k, v), (P("b", None, "h"),) * 3, P("b", None, "h"))
 
@@ -103,10 +100,10 @@ def test_decode_attention(impl):
 @pytest.mark.parametrize("impl", [pytest.param("recurrent", marks=pytest.mark.slow), "chunked",
                                   pytest.param("chunked_fat", marks=pytest.mark.slow), "ssd"])
 def test_gated_delta_rule(impl):
-    q, k, v = _normal(4, (B, HQ, L, D)), _normal(5, (B, HQ, L, D)), _normal(6, (B, HQ, L, D))
+    q, k, v = normal(4, (B, HQ, L, D)), normal(5, (B, HQ, L, D)), normal(6, (B, HQ, L, D))
     k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
-    log_alpha, beta = -jax.nn.softplus(_normal(7, (B, HQ, L))), jax.nn.sigmoid(_normal(8, (B, HQ, L)))
-    state = 0.1 * _normal(9, (B, HQ, D, D))
+    log_alpha, beta = -jax.nn.softplus(normal(7, (B, HQ, L))), jax.nn.sigmoid(normal(8, (B, HQ, L)))
+    state = 0.1 * normal(9, (B, HQ, D, D))
     fn = lambda *a: flashlax.gated_delta_rule(*a[:5], initial_state=a[5], return_final_state=True,
                                               chunk_size=16, impl=impl, interpret=impl == "ssd")
     _check(fn, (q, k, v, log_alpha, beta, state), (BH,) * 6, BH)

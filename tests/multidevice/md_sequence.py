@@ -16,9 +16,6 @@ MESH = jax.make_mesh((2, 4), ("b", "sp"))
 SEQ = P("b", None, "sp")
 
 
-def _normal(seed, shape):
-    return normal(seed, shape)     # numpy draws: jax.random compiles for every shape (seconds here)
-
 
 # ------------------------------------------------------------------------------------------------
 # decode_attention over a sequence-split cache
@@ -33,7 +30,7 @@ MASK = lambda b, h, q_idx, kv_idx: (kv_idx != q_idx - 5) | (b == 1)   # reads b 
 
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
 def test_decode_attention(impl):
-    q, k, v = _normal(0, (B, HQ, LQ, D)), _normal(1, (B, HKV, LMAX, D)), _normal(2, (B, HKV, LMAX, D))
+    q, k, v = normal(0, (B, HQ, LQ, D)), normal(1, (B, HKV, LMAX, D)), normal(2, (B, HKV, LMAX, D))
     fn = lambda q, k, v, lens, ctx: flashlax.decode_attention(
         q, k, v, kv_lens=lens, score_mod=SCORE, mask_mod=MASK, return_lse=True, impl=impl,
         interpret=impl == "pallas", context_axis=ctx)
@@ -46,7 +43,7 @@ def test_decode_attention(impl):
 
 
 def test_decode_attention_cache_too_short():
-    q, k = _normal(0, (B, HQ, 9, D)), _normal(1, (B, HKV, 32, D))
+    q, k = normal(0, (B, HQ, 9, D)), normal(1, (B, HKV, 32, D))
     with jax.set_mesh(MESH), pytest.raises(ValueError, match="parts of at least Lq=9"):
         flashlax.decode_attention(q, *put(MESH, SEQ, k, k), context_axis="sp")
 
@@ -59,11 +56,11 @@ H, T, DK, DV = 2, 64, 8, 16
 
 
 def _gdr_inputs(seed=3):
-    q, k, v = _normal(seed, (B, H, T, DK)), _normal(seed + 1, (B, H, T, DK)), _normal(seed + 2, (B, H, T, DV))
+    q, k, v = normal(seed, (B, H, T, DK)), normal(seed + 1, (B, H, T, DK)), normal(seed + 2, (B, H, T, DV))
     k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
-    log_alpha = -jax.nn.softplus(_normal(seed + 3, (B, H, T)))
-    beta = jax.nn.sigmoid(_normal(seed + 4, (B, H, T)))
-    return q, k, v, log_alpha, beta, 0.1 * _normal(seed + 5, (B, H, DK, DV))
+    log_alpha = -jax.nn.softplus(normal(seed + 3, (B, H, T)))
+    beta = jax.nn.sigmoid(normal(seed + 4, (B, H, T)))
+    return q, k, v, log_alpha, beta, 0.1 * normal(seed + 5, (B, H, DK, DV))
 
 
 @pytest.mark.parametrize("impl,with_beta", [("chunked", True), ("chunked", False),
@@ -100,8 +97,8 @@ def test_gated_delta_rule_length_not_divisible():
 def test_x64():
     """jax_enable_x64: int64 lengths, float64 positions never appear (indices stay int32), float32 inputs
     give the one-device values on every context-parallel path."""
-    q, k, v = _normal(0, (B, HQ, LQ, D)), _normal(1, (B, HKV, LMAX, D)), _normal(2, (B, HKV, LMAX, D))
-    qf = _normal(3, (B, HQ, LMAX, D))
+    q, k, v = normal(0, (B, HQ, LQ, D)), normal(1, (B, HKV, LMAX, D)), normal(2, (B, HKV, LMAX, D))
+    qf = normal(3, (B, HQ, LMAX, D))
     gdr = _gdr_inputs()
     with jax.enable_x64():
         lens = jnp.asarray([40, 17], jnp.int64)

@@ -18,9 +18,6 @@ BH = P("b", "h")
 TABLE = 0.1 * normal(9, (2 * L,))
 
 
-def _normal(seed, shape):
-    return normal(seed, shape)     # numpy draws: jax.random compiles for every shape (seconds here)
-
 
 def _rel_bias(table):
     # A learned relative-position bias: its gradient sums the shares of every device.
@@ -28,9 +25,9 @@ def _rel_bias(table):
 
 
 def _gdr_inputs():
-    q, k, v = _normal(4, (B, HQ, L, D)), _normal(5, (B, HQ, L, D)), _normal(6, (B, HQ, L, D))
+    q, k, v = normal(4, (B, HQ, L, D)), normal(5, (B, HQ, L, D)), normal(6, (B, HQ, L, D))
     k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
-    return q, k, v, -jax.nn.softplus(_normal(7, (B, HQ, L))), jax.nn.sigmoid(_normal(8, (B, HQ, L)))
+    return q, k, v, -jax.nn.softplus(normal(7, (B, HQ, L))), jax.nn.sigmoid(normal(8, (B, HQ, L)))
 
 
 CASES = {
@@ -51,8 +48,21 @@ CASES = {
 
 def _inputs(kind):
     if kind == "attention":
-        return _normal(0, (B, HQ, L, D)), _normal(1, (B, HKV, L, D)), _normal(2, (B, HKV, L, D))
+        return normal(0, (B, HQ, L, D)), normal(1, (B, HKV, L, D)), normal(2, (B, HKV, L, D))
     return _gdr_inputs()
+
+
+def _sin_loss(out):
+    return sum(jnp.sum(jnp.sin(x)) for x in jax.tree.leaves(out))
+
+
+def _grad(fn, n):
+    return jax.grad(lambda *a: _sin_loss(fn(*a)), argnums=tuple(range(n)))
+
+
+def _with_grads(fn, n):
+    """Outputs and gradients (of _sin_loss, for the first n arguments) from one jitted program."""
+    return jax.jit(with_grads(fn, _sin_loss, tuple(range(n))))
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c == "gdr_chunked_fat" else c
@@ -65,8 +75,7 @@ def test_inside_shard_map(case):
         assert_close(jax.jit(mapped)(TABLE, *args), jax.jit(fn)(TABLE, *args))
         return
     # outputs and gradients from one program each (one compile, not two)
-    run = lambda f: jax.jit(with_grads(f, lambda out: jnp.sum(jnp.sin(out)), tuple(range(len(args) + 1))))
-    (got, got_grads), (want, want_grads) = run(mapped)(TABLE, *args), run(fn)(TABLE, *args)
+    (got, got_grads), (want, want_grads) = (_with_grads(f, len(args) + 1)(TABLE, *args) for f in (mapped, fn))
     assert_close(got, want)
     assert_close(got_grads, want_grads, what="gradients")
 
@@ -84,10 +93,6 @@ def _pallas_case(op):
     return (lambda q, k, v: flashlax.decode_attention(q[:, :, :2], k, v, **kw)), (q, k, v), False
 
 
-def _grad(fn, n):
-    return jax.grad(lambda *a: jnp.sum(jnp.sin(fn(*a))), argnums=tuple(range(n)))
-
-
 PALLAS_OPS = ["flex", "decode", "ssd", "ssd_nobeta"]
 
 
@@ -103,8 +108,7 @@ def test_pallas_inside_shard_map(op):
         assert_close(jax.jit(mapped)(*args), jax.jit(fn)(*args))
         return
     # outputs and gradients from one program each (one compile, not two)
-    run = lambda f: jax.jit(with_grads(f, lambda out: jnp.sum(jnp.sin(out)), tuple(range(len(args)))))
-    (got, got_grads), (want, want_grads) = run(mapped)(*args), run(fn)(*args)
+    (got, got_grads), (want, want_grads) = (_with_grads(f, len(args))(*args) for f in (mapped, fn))
     assert_close(got, want)
     assert_close(got_grads, want_grads, what="gradients")
 
@@ -154,8 +158,7 @@ def test_auto_mesh_pallas(op):
     else:
         fn = lambda t, q, k, v: flashlax.decode_attention(q[:, :, :2], k, v, score_mod=_rel_bias(t), **kw)
     args = _inputs("attention")
-    loss = lambda *a: jnp.sum(jnp.sin(fn(*a)))
-    grad = jax.grad(loss, argnums=(0, 1, 2, 3))
+    grad = _grad(fn, 4)
     with jax.set_mesh(MESH):
         sharded = put(MESH, BH, *args)
         got, gathers = run_and_gathers(fn, TABLE, *sharded)
@@ -164,7 +167,7 @@ def test_auto_mesh_pallas(op):
             got_grads, gathers = run_and_gathers(grad, TABLE, *sharded)
             assert gathers == []
     if op == "flex":       # one device: outputs and gradients from one program
-        want, want_grads = jax.jit(with_grads(fn, lambda out: jnp.sum(jnp.sin(out)), (0, 1, 2, 3)))(TABLE, *args)
+        want, want_grads = _with_grads(fn, 4)(TABLE, *args)
         assert_close(got, want)
         assert_close(got_grads, want_grads, what="gradients")
     else:
@@ -174,10 +177,10 @@ def test_auto_mesh_pallas(op):
 def test_auto_mesh_ssd():
     """The ssd kernels on an Auto mesh: custom_partitioning keeps the batch / head split (no gather of the
     inputs), values, final state and gradients (initial state included) equal one device."""
-    args = _gdr_inputs() + (0.1 * _normal(9, (B, HQ, D, D)),)
+    args = _gdr_inputs() + (0.1 * normal(9, (B, HQ, D, D)),)
     fn = lambda q, k, v, la, beta, state: flashlax.gated_delta_rule(
         q, k, v, la, beta, initial_state=state, chunk_size=16, impl="ssd", interpret=True, return_final_state=True)
-    grad = jax.grad(lambda *a: sum(jnp.sum(jnp.sin(x)) for x in fn(*a)), argnums=tuple(range(len(args))))
+    grad = _grad(fn, len(args))
     with jax.set_mesh(MESH):
         sharded = put(MESH, BH, *args)
         got, gathers = run_and_gathers(fn, *sharded)
@@ -185,7 +188,6 @@ def test_auto_mesh_ssd():
         got_grads, gathers = run_and_gathers(grad, *sharded)
         assert gathers == []
     # one device: outputs and gradients from one program
-    want, want_grads = jax.jit(with_grads(fn, lambda out: sum(jnp.sum(jnp.sin(x)) for x in out),
-                                          tuple(range(len(args)))))(*args)
+    want, want_grads = _with_grads(fn, len(args))(*args)
     assert_close(got, want)
     assert_close(got_grads, want_grads, what="gradients")
