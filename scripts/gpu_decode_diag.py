@@ -53,6 +53,11 @@ def kernels(fn, args):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="decode_diag.json")
+    p.add_argument("--shapes", default="", help="comma-separated BxLxLq entries to run (default: all), e.g. 1x65536x1")
+    p.add_argument("--configs", default="",
+                   help="also time the full call with these DecodeConfig overrides: comma-separated "
+                        "block_kv/num_warps/num_stages[/programs_per_sm] (variants cfg_...)")
+    p.add_argument("--only-configs", action="store_true", help="time the shipped full call and the --configs only")
     args = p.parse_args()
     rows = []
     # Clock the GPU up (idle SM clock 345 MHz) before the first timed row.
@@ -62,7 +67,10 @@ def main():
         jax.block_until_ready(x @ x)
     cfg = decode_config(D, D, jnp.bfloat16, jax.devices()[0].device_kind)
     xla_merge = dataclasses.replace(cfg, merge_in_kernel_kb=0)
-    for batch, length, lq in [(1, 16384, 1), (1, 65536, 1), (1, 65536, 16), (8, 16384, 1), (4, 32768, 4)]:
+    shapes = [(1, 16384, 1), (1, 65536, 1), (1, 65536, 16), (8, 16384, 1), (4, 32768, 4)]
+    if args.shapes:
+        shapes = [tuple(int(x) for x in e.split("x")) for e in args.shapes.split(",")]
+    for batch, length, lq in shapes:
         sets = [(rnd(10 * i + 1, (batch, HQ, lq, D), jnp.bfloat16), rnd(10 * i + 2, (batch, HKV, length, D), jnp.bfloat16),
                  rnd(10 * i + 3, (batch, HKV, length, D), jnp.bfloat16)) for i in range(3)]
         lens = jnp.full((batch,), length, jnp.int32)
@@ -90,6 +98,13 @@ def main():
             for splits in (8, 16, 32, 64):
                 variants[f"full_splits{splits}"] = (jax.jit(lambda q, k, v, s=splits: flashlax.decode_attention(
                     q, k, v, impl="pallas", num_splits=s)), sets)
+        if args.only_configs:
+            variants = {"full": (full, sets)}
+        for spec in filter(None, args.configs.split(",")):
+            fields = dict(zip(("block_kv", "num_warps", "num_stages", "programs_per_sm"), map(int, spec.split("/"))))
+            vcfg = dataclasses.replace(cfg, **fields)
+            variants["full_cfg_" + spec.replace("/", "_")] = (jax.jit(
+                lambda q, k, v, c=vcfg: dk.decode_attention_pallas(q, k, v, kv_lens=lens, config=c)), sets)
         want = jax.jit(lambda q, k, v: flashlax.decode_attention(q, k, v, impl="xla"))(*sets[0])
         for name, (fn, arg_sets) in variants.items():
             try:

@@ -38,7 +38,7 @@ SUITE_ARGS = {
     "gqa": ["--kv-heads", "1", "--lengths", "40", "--impls", "xla", "jax_xla", "pallas", "--masks", "causal"],
     "prefill": ["--kv-heads", "1", "--lengths", "48", "--impls", "xla", "jax_xla", "--masks", "full",
                 "document", "--modes", "fwd"],
-    "decode": ["--kv-heads", "1", "--lengths", "96", "--q-lens", "3", "--impls", "xla", "jax_xla"],
+    "decode": ["--kv-heads", "1", "--lengths", "96", "--q-lens", "3", "--impls", "xla", "jax_xla", "xla_paged16"],
 }
 
 
@@ -119,7 +119,8 @@ def test_schema(runs, suite):
     for row in rows:
         _check_row(suite, row)
         if row["impl"] not in ("jax_xla", "jax_cudnn", "torch_sdpa", "torch_flex", "jax_pallas_mha"):
-            assert row["impl"] in flashlax.dispatch.TABLE[row["op"]], row   # the dispatcher's own names
+            # the dispatcher's own names (a paged decode row names its cache too: xla_paged16 runs xla)
+            assert row.get("paged_impl", row["impl"]) in flashlax.dispatch.TABLE[row["op"]], row
     assert schema.validate(data) == []
     # The jax peer always runs; flashlax's own default path must run once its op is written.
     working = {"jax_xla"} if suite != "linear" else {"recurrent"}
@@ -160,6 +161,28 @@ def test_prefill_flex_masks_and_decode_num_splits(runs):
         assert row["lq"] == 3 and row["lkv"] == 96
         if row["impl"] == "xla" and "error" not in row:  # the split count the op chose
             assert isinstance(row["num_splits"], int) and 1 <= row["num_splits"] <= row["lkv"], row
+
+
+def test_decode_paged_rows(runs):
+    """The paged row (pages of 16 in shuffled order, the XLA path) is checked against the same reference
+    as the contiguous rows."""
+    [row] = [r for r in runs["decode"]["results"] if r["impl"] == "xla_paged16"]
+    assert "error" not in row, row
+    assert row["page_size"] == 16 and row["paged_impl"] == "xla"
+    assert row["rel_err"] is not None and row["rel_err"] < 1e-5, row
+
+
+@pytest.mark.parametrize("name", ["pallas_paged64", "pallas_paged16"])
+def test_paged_decode_runner_matches_contiguous(name):
+    """The bench's paged runner (pool built by its prepare, the interpreted kernel) gives what decode_attention
+    gives on the contiguous cache."""
+    from flashlax.bench import peers, suites
+
+    q, k, v = suites.attention_inputs(3, 2, 4, 2, 1, 128, 16, jnp.float32)[:3]
+    runner = peers.paged_decode_runner(name, k.shape, interpret=True)
+    got = runner.fn(*(runner.prepare(x) for x in (q, k, v)))
+    want = flashlax.decode_attention(q, k, v, impl="xla")
+    assert conftest_rel_err(np.asarray(got), np.asarray(want)) < 1e-5
 
 
 def test_decode_rows_time_throughput_and_latency(runs):

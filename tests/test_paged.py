@@ -233,6 +233,48 @@ def test_entries_past_the_length_may_hold_anything():
         flashlax.flex_attention(q, pool, pool, block_table=table, kv_lens=jnp.asarray([20, 49]))
 
 
+PAGE_LOOKUP_CASES = [
+    # (page_size, DecodeConfig.page_lookup, page_prefetch): 64-key tiles, so pages of 16 span four pages
+    # a tile, 64 one, 48 straddle tiles ("scalars" then reads row by row).
+    (16, "scalars", True), (16, "rows", False), (16, "auto", True), (64, "rows", True), (64, "scalars", False),
+    (48, "scalars", True),
+]
+
+
+@pytest.mark.parametrize("page_size,lookup,prefetch", PAGE_LOOKUP_CASES)
+def test_decode_paged_lookup_modes_equal_contiguous(page_size, lookup, prefetch):
+    """Every way the decode kernel finds a tile's pages (one table read per page or per row, read in the
+    step or one step ahead) reads the same keys: equal to the contiguous cache, NaN past the lengths."""
+    import dataclasses
+
+    from flashlax.kernels.configs import decode_config
+    from flashlax.kernels.decode import decode_attention_pallas
+    rng = np.random.default_rng(page_size + len(lookup) + prefetch)
+    batch, hq, hkv, dim, max_pages = 2, 4, 2, 32, 384 // page_size
+    k_pool, table, k_cont = _paged_cache(rng, batch, hkv, max_pages, page_size, dim, shared_prefix=1)
+    v_pool = rng.normal(size=k_pool.shape).astype(np.float32)
+    v_cont = np.stack([np.concatenate([v_pool[table[b, j]] for j in range(max_pages)], axis=1) for b in range(batch)])
+    lens = np.array([max_pages * page_size, page_size + 70], np.int32)
+    q = rng.normal(size=(batch, hq, 2, dim)).astype(np.float32)
+    cfg = dataclasses.replace(decode_config(dim, dim, np.float32, "NVIDIA H200"), page_lookup=lookup,
+                              page_prefetch=prefetch, paged_stages=5)
+    assert cfg.block_kv == 64
+    kw = dict(kv_lens=jnp.asarray(lens), interpret=True, return_lse=True, num_splits=3)
+    out_c, lse_c = decode_attention_pallas(q, k_cont, v_cont, **kw)
+    k_bad, v_bad = (_poison_past(p, table, lens, page_size) for p in (k_pool, v_pool))
+    out_p, lse_p = decode_attention_pallas(q, k_bad, v_bad, block_table=jnp.asarray(table), config=cfg, **kw)
+    assert np.isfinite(np.asarray(out_p)).all()
+    np.testing.assert_allclose(np.asarray(out_p), np.asarray(out_c), rtol=2e-6, atol=2e-6)
+    np.testing.assert_allclose(np.asarray(lse_p), np.asarray(lse_c), rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("field,bad", [("page_lookup", "gather"), ("page_prefetch", 1), ("paged_stages", -1)])
+def test_decode_config_paged_fields_validated(field, bad):
+    from flashlax.kernels.configs import DecodeConfig
+    with pytest.raises(ValueError, match=field):
+        DecodeConfig(**{field: bad})
+
+
 # ----------------------------------------------------------------------------------------------------
 # Real GPU (pytest -m gpu)
 # ----------------------------------------------------------------------------------------------------

@@ -47,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--impls", nargs="+", type=_list(str),
                    help="the dispatcher's names and the peers: linear: recurrent chunked chunked_fat ssd; gqa / "
                         "prefill: xla repeat pallas jax_xla jax_cudnn torch_sdpa torch_flex jax_pallas_mha; "
-                        "decode: xla pallas repeat jax_xla jax_cudnn torch_sdpa")
+                        "decode: xla pallas repeat jax_xla jax_cudnn torch_sdpa, and paged caches (issue 18): "
+                        "pallas_paged64 pallas_paged16 xla_paged16 jax_paged")
     p.add_argument("--modes", nargs="+", type=_list(str), help="fwd fwd_bwd")
     p.add_argument("--masks", nargs="+", type=_list(str), help="gqa/prefill: full causal sliding_window document")
     p.add_argument("--chunk-sizes", nargs="+", type=_list(int))
@@ -152,6 +153,7 @@ def run(args) -> dict[str, Any]:
     if args.matmul_precision is not None:
         config["matmul_precision"] = args.matmul_precision
     data = {"device": harness.device_info(), "config": config, "results": []}
+    harness.clock_up()
     for name in names:
         print(f"[{name}] running on {device} ...", file=sys.stderr, flush=True)
         start = time.perf_counter()

@@ -244,6 +244,81 @@ def decode_runner(impl: str, *, scale: float | None = None, interpret: bool = Fa
     return Runner(impl, fn, extra={"op": "decode_attention", **({"interpret": True} if interpret else {})})
 
 
+PAGED_IMPLS = {"pallas_paged64": ("pallas", 64), "pallas_paged16": ("pallas", 16),
+               "xla_paged16": ("xla", 16)}
+JAX_PAGED = "jax_paged"   # jax.experimental.pallas.ops.gpu.paged_attention (Lq 1, GPU)
+
+
+def page_pool(cache, page_size: int, perm):
+    """Contiguous [B, H, L, D] -> pool [B * L / page_size, H, page_size, D] whose slot perm[n] holds logical
+    page n (batch-major: page j of sequence b is n = b * L / page_size + j)."""
+    batch, heads, length, dim = cache.shape
+    pages = length // page_size
+    logical = jnp.swapaxes(cache.reshape(batch, heads, pages, page_size, dim), 1, 2)
+    logical = logical.reshape(batch * pages, heads, page_size, dim)
+    return jnp.zeros_like(logical).at[perm].set(logical)
+
+
+def paged_decode_runner(name: str, cache_shape: tuple[int, int, int, int], *, interpret: bool = False) -> Runner:
+    """decode_attention on a paged cache (``PAGED_IMPLS``: impl and page size): the contiguous K/V inputs
+    [B, Hkv, L, D] become a page pool in shuffled order outside the timing; the block table is a constant of
+    the timed function."""
+    impl, page_size = PAGED_IMPLS[name]
+    batch, _, length, _ = cache_shape
+    if length % page_size:
+        return unavailable(name, ValueError(f"KV length {length} is not a multiple of page size {page_size}"))
+    perm = np.random.default_rng(page_size).permutation(batch * length // page_size)
+    table = perm.reshape(batch, -1).astype(np.int32)
+
+    def prepare(x):
+        return page_pool(x, page_size, perm) if getattr(x, "shape", None) == tuple(cache_shape) else x
+
+    def fn(q, k_pool, v_pool):
+        return flashlax.decode_attention(q, k_pool, v_pool, block_table=jnp.asarray(table), impl=impl,
+                                         interpret=interpret)
+
+    return Runner(name, fn, prepare=prepare,
+                  extra={"op": "decode_attention", "page_size": page_size, "paged_impl": impl,
+                         **({"interpret": True} if interpret else {})})
+
+
+def jax_paged_runner(cache_shape: tuple[int, int, int, int], q_len: int, *, page_size: int = 64) -> Runner:
+    """JAX's in-tree Pallas ``paged_attention`` (GPU, one new token): its pool layout [Hkv, pages, page_size,
+    D] and the query scaled by 1/sqrt(D) (it applies no scale) prepared outside the timing; its defaults (16
+    splits, 128 keys per compute block, both cut to divisors of the sequence's pages)."""
+    if not harness.on_gpu():
+        return unavailable(JAX_PAGED, RuntimeError(f"{JAX_PAGED} requires a GPU backend."))
+    if q_len != 1:
+        return unavailable(JAX_PAGED, ValueError(f"{JAX_PAGED} takes one new token, got Lq {q_len}"))
+    import math  # noqa: PLC0415
+    import warnings  # noqa: PLC0415
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from jax.experimental.pallas.ops.gpu import paged_attention as mod  # noqa: PLC0415
+    batch, _, length, dim = cache_shape
+    pages = length // page_size
+    perm = np.random.default_rng(page_size).permutation(batch * pages)
+    table = perm.reshape(batch, pages).astype(np.int32)
+    k_splits = math.gcd(16, pages)
+    per_block = math.gcd(max(1, 128 // page_size), pages // k_splits)
+
+    def prepare(x):
+        if getattr(x, "shape", None) == tuple(cache_shape):
+            return jnp.swapaxes(page_pool(x, page_size, perm), 0, 1)
+        if getattr(x, "ndim", 0) == 4 and x.shape[2] == 1:    # the query
+            return (x * dim ** -0.5).astype(x.dtype)
+        return x
+
+    def fn(q, k_pool, v_pool):
+        lens = jnp.full((batch,), length, jnp.int32)
+        out = mod.paged_attention(q[:, :, 0], k_pool, v_pool, jnp.asarray(table), lens, k_splits=k_splits,
+                                  pages_per_compute_block=per_block)
+        return out[:, :, None]
+
+    return Runner(JAX_PAGED, fn, prepare=prepare, extra={"page_size": page_size})
+
+
 def chosen_num_splits(impl: str, batch: int, kv_heads: int, max_len: int) -> int | None:
     """The num_splits decode_attention picks when ``num_splits=None``: ``choose_num_splits(batch, kv_heads,
     max_len)`` of the module that implements ``impl`` (default: the backend's), else of the XLA fallback;

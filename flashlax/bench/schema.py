@@ -47,6 +47,8 @@ OPTIONAL: dict[str, tuple] = {
     "error": (str,),          # "ExceptionType: message" when the implementation raised
     "note": (str,), "residual_note": (str,),
     "num_splits": (int, type(None)),       # decode: the split count the op chose
+    "page_size": (int,),      # decode on a paged cache (impl pallas_paged64, ...; jax_paged)
+    "paged_impl": (str,),     # the dispatcher's impl a paged row runs (pallas, xla)
     "window": (int,), "documents": (int,),  # prefill's flex-only masks
     "throughput_ms": _NUM,    # decode: ms per call with `throughput_calls` calls queued and one sync
     "throughput_calls": (int,),

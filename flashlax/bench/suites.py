@@ -7,7 +7,9 @@ each row's ``op`` field says whose), peers by their own names (``jax_xla``, ``ja
 dk=dv 64/128 float32 chunk 64), gqa from seed 004 (B1 L1024 Hq32 Hkv8 D64/128 float32 on CPU, bf16 on GPU),
 prefill the ANCHORS.md GPU shapes (Hq32 Hkv8 D128, B2 T4096 and B1 T16384, bf16, plus sliding-window-1024
 and 8-document masks at T16384 for flex_attention and torch_flex), decode Hq32 Hkv8 D128: on CPU B1 x Lq
-1/4/16 x KV 4096/16384/65536, on GPU the six (B, Lq, KV) shapes of DECODE_GPU_SHAPES.
+1/4/16 x KV 4096/16384/65536, on GPU the six (B, Lq, KV) shapes of DECODE_GPU_SHAPES, with the Pallas kernel also
+on paged caches (``pallas_paged64`` / ``pallas_paged16``: pages of 64 / 16 keys in shuffled order) and JAX's
+in-tree Pallas ``paged_attention`` (``jax_paged``, Lq 1).
 """
 
 from __future__ import annotations
@@ -66,7 +68,8 @@ def suite_defaults(suite: str, gpu: bool) -> dict[str, Any]:
         return dict(batch=[1], heads=[32], kv_heads=[8], q_lens=[1, 4, 16], kv_lens=[4096, 16384, 65536],
                     shapes=DECODE_GPU_SHAPES if gpu else None, dims=[128],
                     dtypes=["bfloat16"] if gpu else ["float32"], modes=["fwd"],
-                    impls=(["pallas", "xla", "jax_xla", "jax_cudnn", "torch_sdpa"] if gpu
+                    impls=(["pallas", "xla", "jax_xla", "jax_cudnn", "torch_sdpa", "pallas_paged64", "pallas_paged16",
+                            "jax_paged"] if gpu
                            else ["xla", "repeat", "jax_xla", "torch_sdpa"]),
                     ref_max_seq=1024, throughput_calls=DECODE_THROUGHPUT_CALLS)
     raise ValueError(f"unknown suite {suite!r}; valid: {', '.join(SUITES)}, all")
@@ -430,7 +433,8 @@ def valid_impls(suite: str) -> tuple[str, ...]:
     if suite == "linear":
         return tuple(dispatch.TABLE["gated_delta_rule"])
     if suite == "decode":  # decode_attention's impls, and flex_attention's K/V-repeat baseline
-        return tuple(dispatch.TABLE["decode_attention"]) + ("repeat", "jax_xla", "jax_cudnn", "torch_sdpa")
+        return tuple(dispatch.TABLE["decode_attention"]) + ("repeat", "jax_xla", "jax_cudnn", "torch_sdpa") \
+            + tuple(peers.PAGED_IMPLS) + (peers.JAX_PAGED,)
     return tuple(dispatch.TABLE["flex_attention"]) + ATTENTION_PEERS
 
 
@@ -534,7 +538,14 @@ def run_decode(cfg: dict, stream=sys.stderr) -> list[dict]:
                     None if use_ref else f"no reference: lq {lq} > ref_max_seq {cfg['ref_max_seq']}")
         jobs = []
         for mode, impl in itertools.product(cfg["modes"], cfg["impls"]):
-            if impl in dispatch.TABLE["decode_attention"]:
+            if impl in peers.PAGED_IMPLS:
+                base = peers.PAGED_IMPLS[impl][0]
+                runner = peers.paged_decode_runner(impl, (b, hkv, lkv, d),
+                                                   interpret=_interpret(cfg, "decode_attention", base))
+                runner.extra["num_splits"] = peers.chosen_num_splits(base, b, hkv, lkv)
+            elif impl == peers.JAX_PAGED:
+                runner = peers.jax_paged_runner((b, hkv, lkv, d), lq)
+            elif impl in dispatch.TABLE["decode_attention"]:
                 runner = peers.decode_runner(impl, interpret=_interpret(cfg, "decode_attention", impl))
                 runner.extra["num_splits"] = peers.chosen_num_splits(impl, b, hkv, lkv)
             elif impl in dispatch.TABLE["flex_attention"]:

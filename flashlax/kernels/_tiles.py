@@ -111,30 +111,54 @@ def tile_mask(start, rows: int, n_rows: int, cols: int, n_cols: int, aligned: bo
 class Pages:
     """A paged K/V ref as one kernel program sees it (``flashlax.paged``): the K/V ref is
     [num_pages, page_size, C] (one KV head of the pool) and ``table`` the int32 [max_pages] ref of this
-    sequence's block table; logical row r lives at row r % page_size of page table[r // page_size]."""
+    sequence's block table; logical row r lives at row r % page_size of page table[r // page_size].
+
+    ``lookup`` says how a tile finds its pages (:func:`page_ids`): "auto" (one scalar table read when one
+    page holds the tile, a vector read of one entry per row otherwise), "rows" (the vector read always),
+    "scalars" (one scalar read per page of the tile, spread over its rows by selects)."""
 
     table: Any
     page_size: int
     num_pages: int
     max_pages: int
+    lookup: str = "auto"
 
 
-def kv_tile_view(ref, start, rows: int, cols: int, pages: Pages | None = None):
+def page_ids(pages: Pages, start, rows: int):
+    """The pool pages of the logical rows start .. start+rows-1 (``start`` a multiple of ``rows``): an int32
+    scalar when one page holds them all and ``pages.lookup`` is not "rows", else int32 [rows], one per row.
+    Table entries and page numbers are clamped into range, so entries past the sequence, whatever they
+    hold, never address outside the pool."""
+    ps = np.int32(pages.page_size)
+
+    def read(entry):
+        return jnp.clip(pages.table[jnp.clip(entry, 0, pages.max_pages - 1)], 0, pages.num_pages - 1)
+
+    if pages.page_size % rows == 0 and pages.lookup != "rows":
+        return read(lax.div(i32(start), ps))
+    iota = lax.broadcasted_iota(jnp.int32, (rows,), 0)
+    if pages.lookup == "scalars" and rows % pages.page_size == 0:
+        first = lax.div(i32(start), ps)
+        ids = jnp.broadcast_to(read(first), (rows,))
+        for k in range(1, rows // pages.page_size):
+            ids = jnp.where(iota >= k * pages.page_size, read(first + k), ids)
+        return ids
+    return read(lax.div(i32(start) + iota, ps))
+
+
+def kv_tile_view(ref, start, rows: int, cols: int, pages: Pages | None = None, page=None):
     """``ref.at[...]`` of the logical rows start .. start+rows-1, columns 0 .. cols-1 of a K/V ref: a
-    [L, >= cols] ref, or a paged one (``pages``). A tile inside one page (page_size a multiple of ``rows``,
-    ``start`` a multiple of ``rows``) is one block of that page, looked up with one table read; otherwise
-    each row finds its page (a vector read of the table and a row gather, every index clamped into range so
-    entries past the sequence, whatever they hold, never address outside the pool)."""
+    [L, >= cols] ref, or a paged one (``pages``; ``page``: the tile's :func:`page_ids` when the caller read
+    them already, e.g. one loop step ahead). A scalar page is one block of that page; a vector of pages (one
+    per row) is a row gather."""
     if pages is None:
         return ref.at[ds(start, rows), ds(0, cols)]
+    if page is None:
+        page = page_ids(pages, start, rows)
     ps = np.int32(pages.page_size)
-    if pages.page_size % rows == 0:
-        entry = jnp.clip(lax.div(i32(start), ps), 0, pages.max_pages - 1)
-        page = jnp.clip(pages.table[entry], 0, pages.num_pages - 1)
+    if jnp.ndim(page) == 0:
         return ref.at[page, ds(pl.multiple_of(lax.rem(i32(start), ps), rows), rows), ds(0, cols)]
     pos = i32(start) + lax.broadcasted_iota(jnp.int32, (rows,), 0)
-    entry = jnp.clip(lax.div(pos, ps), 0, pages.max_pages - 1)
-    page = jnp.clip(pages.table[entry], 0, pages.num_pages - 1)
     return ref.at[page[:, None], lax.rem(pos, ps)[:, None], lax.broadcasted_iota(jnp.int32, (1, cols), 1)]
 
 

@@ -209,6 +209,9 @@ def shrink_to_fit(config: FlashConfig, head_dim: int, head_dim_v: int, dtype, de
 NUM_SMS: dict[str, int] = {"h200": 132, "rtx3090": 82, "default": 108}
 
 
+PAGE_LOOKUPS = ("auto", "rows", "scalars")   # _tiles.Pages.lookup
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
     """Decode kernel launch parameters. One program serves up to ``block_rows`` query rows of one KV group
@@ -232,6 +235,15 @@ class DecodeConfig:
     programs_per_sm: int = 2
     min_split_tiles: int = 4
     merge_in_kernel_kb: int = 128
+    # Paged caches (issue 18): how a tile finds its pages (``_tiles.Pages.lookup``), whether the next
+    # tile's pages are read one loop step ahead (carried in the loop), and the Triton stages of a paged
+    # launch (0: as num_stages). Triton's pipeliner gives loads fed by a pipelined table read in the same
+    # step (an indirect load) (stages - 1) // 2 steps of lead instead of stages - 1, and waits on a scalar
+    # table read in every step: reading one step ahead avoids both (H200, B8 L16384 pages of 16: 1.13x the
+    # contiguous kernel's time before, 1.02x after; docs/PERF_NOTES.md, "Paged KV caches").
+    page_lookup: str = "auto"
+    page_prefetch: bool = True
+    paged_stages: int = 0
 
     def __post_init__(self):
         try:   # the tile fields obey the flash forward's rules (block_rows is its block_q)
@@ -242,6 +254,12 @@ class DecodeConfig:
             val = getattr(self, name)
             if not isinstance(val, int) or val < 1:
                 raise ValueError(f"DecodeConfig: {name} must be a positive int, got {val!r}")
+        if self.page_lookup not in PAGE_LOOKUPS:
+            raise ValueError(f"DecodeConfig: page_lookup must be one of {PAGE_LOOKUPS}, got {self.page_lookup!r}")
+        if not isinstance(self.page_prefetch, bool):
+            raise ValueError(f"DecodeConfig: page_prefetch must be a bool, got {self.page_prefetch!r}")
+        if isinstance(self.paged_stages, bool) or not isinstance(self.paged_stages, int) or self.paged_stages < 0:
+            raise ValueError(f"DecodeConfig: paged_stages must be an int >= 0, got {self.paged_stages!r}")
         if isinstance(self.merge_in_kernel_kb, bool) or not isinstance(self.merge_in_kernel_kb, int) \
                 or self.merge_in_kernel_kb < 0:
             raise ValueError(f"DecodeConfig: merge_in_kernel_kb must be an int >= 0, got {self.merge_in_kernel_kb!r}")

@@ -94,17 +94,18 @@ def _kv_tile_start(tile, block_kv: int):
     return pl.multiple_of(tile * block_kv, block_kv)
 
 
-def _load_kv(ref, start, block_kv: int, cols: int, n_cols: int, kv_len=None, pages: _tiles.Pages | None = None):
-    """[block_kv, cols] tile of a [Lmax, >= n_cols] cache ref (or paged: ``pages``) from logical row
-    ``start``. ``kv_len`` given: rows at or past it read as 0 (never loaded); columns >= n_cols (head-dim
-    padding) read as 0."""
+def _load_kv(ref, start, block_kv: int, cols: int, n_cols: int, kv_len=None, pages: _tiles.Pages | None = None,
+             page=None):
+    """[block_kv, cols] tile of a [Lmax, >= n_cols] cache ref (or paged: ``pages``, the tile's ``page``
+    ids when read already) from logical row ``start``. ``kv_len`` given: rows at or past it read as 0 (never
+    loaded); columns >= n_cols (head-dim padding) read as 0."""
     mask = None
     if kv_len is not None:
         mask = jnp.broadcast_to(_tiles.row_mask(start, block_kv, kv_len)[:, None], (block_kv, cols))
     if cols != n_cols:
         col_ok = jnp.broadcast_to((jnp.arange(cols, dtype=jnp.int32) < n_cols)[None, :], (block_kv, cols))
         mask = col_ok if mask is None else mask & col_ok
-    block = _tiles.kv_tile_view(ref, start, block_kv, cols, pages)
+    block = _tiles.kv_tile_view(ref, start, block_kv, cols, pages, page)
     return plgpu.load(block) if mask is None else plgpu.load(block, mask=mask, other=0.0)
 
 
@@ -112,8 +113,9 @@ def _decode_kernel(kv_lens_ref, *refs, st: _Static, n_score_cap: int, groups: in
                    q_len: int, q_heads: int, max_len: int, d: int, dv: int):
     pages = None
     if st.page_size:
-        pages = _tiles.Pages(refs[0], st.page_size, st.num_pages, st.max_pages)
+        pages = _tiles.Pages(refs[0], st.page_size, st.num_pages, st.max_pages, st.config.page_lookup)
         refs = refs[1:]
+    prefetch = pages is not None and st.config.page_prefetch
     q_ref, k_ref, v_ref, *refs = refs
     fused = st.merge_in_kernel
     if fused:   # inputs ..., captured, counter (aliased to the last output); outputs out, lse, partials, counter
@@ -150,11 +152,16 @@ def _decode_kernel(kv_lens_ref, *refs, st: _Static, n_score_cap: int, groups: in
     mult = _tiles.exponent_factor(st.scale, st.score_mod is not None)
 
     def visit(tile, carry, edge: bool):
-        m_prev, l_prev, acc_prev = carry
+        m_prev, l_prev, acc_prev, *ahead = carry
         kv_start = _kv_tile_start(tile, bk)
         limit = kv_len if edge else None
-        k = _load_kv(k_ref, kv_start, bk, dp, d, limit, pages)
-        v = _load_kv(v_ref, kv_start, bk, dvp, dv, limit, pages)
+        page, page_next = None, ()
+        if pages is not None:   # this tile's pages (read one step ahead with page_prefetch), then the next's
+            page = ahead[0] if prefetch else _tiles.page_ids(pages, kv_start, bk)
+            if prefetch:
+                page_next = (_tiles.page_ids(pages, _kv_tile_start(tile + 1, bk), bk),)
+        k = _load_kv(k_ref, kv_start, bk, dp, d, limit, pages, page)
+        v = _load_kv(v_ref, kv_start, bk, dvp, dv, limit, pages, page)
         qk = _tiles.dot_nt(q, k, precision)
         kv_idx = kv_start + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
         s = _tiles.kernel_scores(qk, st.scale, st.score_mod, score_caps, b, h, q_idx, kv_idx)
@@ -164,7 +171,7 @@ def _decode_kernel(kv_lens_ref, *refs, st: _Static, n_score_cap: int, groups: in
             s = jnp.where(st.mask_mod(mask_caps, b, h, q_idx, kv_idx), s, -jnp.inf)
         p, alpha, m_new, l_new = _tiles.softmax_update(s, m_prev, l_prev, mult, st.interpret)
         acc = acc_prev * alpha[:, None] + _tiles.dot_nn(p.astype(v.dtype), v, precision)
-        return m_new, l_new, acc
+        return (m_new, l_new, acc, *page_next)
 
     # This split's tiles [lo, hi), clipped to the sequence; tiles below `whole` are seen whole by every
     # new token (they end at or before kv_len - Lq + 1), the rest (at most two) need the edge mask.
@@ -174,10 +181,12 @@ def _decode_kernel(kv_lens_ref, *refs, st: _Static, n_score_cap: int, groups: in
     mid = jnp.clip(whole, lo, hi)
     carry = (jnp.full((br,), -jnp.inf, jnp.float32), jnp.zeros((br,), jnp.float32),
              jnp.zeros((br, dvp), jnp.float32))
+    if prefetch:
+        carry += (_tiles.page_ids(pages, _kv_tile_start(lo, bk), bk),)
     carry = lax.fori_loop(lo, mid, lambda j, c: visit(j, c, edge=False), carry)
     carry = lax.fori_loop(mid, hi, lambda j, c: visit(j, c, edge=True), carry)
 
-    m, l, acc = carry
+    m, l, acc = carry[:3]
     out, lse = _tiles.softmax_finalize(acc, m, l, mult)
     if not fused:
         _tiles.store_tile(o_ref, row0, out, rows, dv)     # q's dtype with one split, else float32 partials
@@ -438,14 +447,17 @@ def kernel_outputs(q, k_cache, v_cache, kv_lens, *, scale: float, num_splits, sc
         kind = jax.devices()[0].device_kind if not interpret else "cpu-interpret"
     groups = q_heads // kv_heads
     rows = groups * q_len
+    # A paged launch may run more Triton stages (DecodeConfig.paged_stages): checked and shrunk as such.
+    staged = (lambda c: dataclasses.replace(c, num_stages=c.paged_stages)  # noqa: E731
+              if block_table is not None and c.paged_stages else c)
     if config is None:
-        cfg = decode_config(d, dv, q.dtype, kind)
+        cfg = staged(decode_config(d, dv, q.dtype, kind))
         block_rows = min(cfg.block_rows, max(MIN_ROWS, pow2(rows)))
         cfg, block_rows = decode_shrink_to_fit(cfg, block_rows, d, dv, q.dtype, kind, tile_reads)
         # Do not step tiles far longer than the cache (tiny inputs).
         cfg = dataclasses.replace(cfg, block_kv=min(cfg.block_kv, max(16, pow2(max_len))))
     else:
-        cfg = config
+        cfg = staged(config)
         block_rows = min(cfg.block_rows, max(MIN_ROWS, pow2(rows)))
         check_decode_config(cfg, block_rows, d, dv, q.dtype, kind, tile_reads)
     row_blocks = _cdiv(rows, block_rows)
