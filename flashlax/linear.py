@@ -69,6 +69,16 @@ def _validate(q, k, v, log_alpha, beta, scale, initial_state, chunk_size) -> flo
         raise ValueError(f"gated_delta_rule: scale must be a Python number, got {type(scale).__name__}") from err
 
 
+def default_impl(dtype, dk: int, dv: int, backend: str | None = None) -> str:
+    """The implementation ``impl=None`` runs: the backend's default ("chunked" on CPU, "ssd" on GPU), except
+    float32 inputs with a head dim over 128 on the GPU, which run "chunked": ssd there is not measured
+    faster and its float32 kernels take minutes to compile at head dim 256 (docs/PERF_NOTES.md)."""
+    name = dispatch.default_impl("gated_delta_rule", backend)
+    if name == "ssd" and jnp.dtype(dtype) == jnp.float32 and max(dk, dv) > 128:
+        return "chunked"
+    return name
+
+
 def gated_delta_rule(q, k, v, log_alpha, beta=None, *, scale: float | None = None, initial_state=None,
                      return_final_state: bool = False, chunk_size: int = 64, impl: str | None = None,
                      interpret: bool = False, context_axis: str | None = None):
@@ -83,8 +93,8 @@ def gated_delta_rule(q, k, v, log_alpha, beta=None, *, scale: float | None = Non
       scale: defaults to ``dk ** -0.5``. initial_state: [B, H, dk, dv] or None (zeros).
       return_final_state: also return the final state [B, H, dk, dv] float32.
       chunk_size: 16, 32, 64 or 128 (chunked paths). impl: "recurrent", "chunked", "chunked_fat",
-      "ssd" or None (the backend's default: "chunked" on CPU, "ssd" on GPU). interpret: run a Pallas
-      kernel in the interpreter.
+      "ssd" or None (the backend's default: "chunked" on CPU, "ssd" on GPU except float32 with a head
+      dim over 128: "chunked"; :func:`default_impl`). interpret: run a Pallas kernel in the interpreter.
       context_axis: a mesh axis name splitting T (contiguously in axis order): sequence parallelism. Each
         device runs its part of the sequence; the affine state maps of the parts are combined across
         the axis (an all-gather of [dk, dk + dv] maps per batch and head), forward and backward.
@@ -102,6 +112,8 @@ def gated_delta_rule(q, k, v, log_alpha, beta=None, *, scale: float | None = Non
       (1, 2, 100, 16)
     """
     scale = _validate(q, k, v, log_alpha, beta, scale, initial_state, chunk_size)
+    if impl is None:
+        impl = default_impl(jnp.result_type(q), q.shape[-1], v.shape[-1])
     entry, fn = dispatch.resolve("gated_delta_rule", impl, interpret=interpret)
     q, k, v, log_alpha = (jnp.asarray(x) for x in (q, k, v, log_alpha))
     beta = None if beta is None else jnp.asarray(beta)

@@ -295,15 +295,20 @@ def test_oversized_decode_config_is_rejected_and_shrunk():
 
 
 def test_num_splits_choice():
-    """One wave of programs (two per SM on the H200): the split counts measured fastest there for the
-    issue-14 shapes; never fewer than min_split_tiles tiles per split, never fewer than one split."""
+    """One wave of programs (programs_per_sm per SM): the split counts measured fastest on the H200 for the
+    issue-14 shapes (one program per SM there since session 15; two per SM before); never fewer than
+    min_split_tiles tiles per split, never fewer than one split."""
+    shapes = ((1, 65536), (1, 16384), (8, 16384), (32, 4096), (4, 32768), (64, 4096))
     cfg = DECODE_CONFIGS["h200"][(128, "16")]
-    assert cfg.programs_per_sm == 2
-    chosen = {(b, lkv): choose_num_splits(b, 8, lkv, config=cfg, multiprocessors=132)
-              for b, lkv in ((1, 65536), (1, 16384), (8, 16384), (32, 4096), (4, 32768), (64, 4096))}
+    assert cfg.programs_per_sm == 1
+    chosen = {(b, lkv): choose_num_splits(b, 8, lkv, config=cfg, multiprocessors=132) for b, lkv in shapes}
+    assert chosen == {(1, 65536): 16, (1, 16384): 16, (8, 16384): 2, (32, 4096): 1, (4, 32768): 4, (64, 4096): 1}
+    two = dataclasses.replace(cfg, programs_per_sm=2, num_stages=3)
+    chosen = {(b, lkv): choose_num_splits(b, 8, lkv, config=two, multiprocessors=132) for b, lkv in shapes}
     assert chosen == {(1, 65536): 32, (1, 16384): 32, (8, 16384): 4, (32, 4096): 1, (4, 32768): 8, (64, 4096): 1}
     assert choose_num_splits(1, 1, 100, config=cfg, multiprocessors=132) == 1       # 2 tiles < min_split_tiles
-    assert choose_num_splits(1, 8, 65536, config=cfg, multiprocessors=132, row_blocks=4) == 8
+    assert choose_num_splits(1, 8, 65536, config=two, multiprocessors=132, row_blocks=4) == 8
+    assert choose_num_splits(1, 8, 65536, config=cfg, multiprocessors=132, row_blocks=4) == 4
 
 
 # ----------------------------------------------------------------------------------------------------

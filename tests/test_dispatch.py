@@ -1,5 +1,6 @@
 """The dispatcher: one (op, backend) -> implementation table, defaults, and its errors."""
 
+import jax.numpy as jnp
 import pytest
 
 from flashlax import available_impls, dispatch
@@ -36,6 +37,17 @@ def test_cpu_defaults():
     assert fn.keywords == {"sequential_heads": True}
     _, gpu_fn = dispatch.resolve("gated_delta_rule", "chunked", backend="gpu")
     assert not hasattr(gpu_fn, "keywords") and gpu_fn.__name__ == "gated_delta_rule_chunked"
+
+
+def test_gated_delta_rule_default_by_dtype_and_head_dim():
+    """GPU: ssd, except float32 with a head dim over 128 (chunked: ssd unmeasured there, minutes of
+    compile); CPU: chunked always."""
+    from flashlax.linear import default_impl
+    assert default_impl(jnp.float32, 128, 128, backend="gpu") == "ssd"
+    assert default_impl(jnp.bfloat16, 256, 256, backend="gpu") == "ssd"
+    assert default_impl(jnp.float32, 256, 64, backend="gpu") == "chunked"
+    assert default_impl(jnp.float32, 64, 192, backend="gpu") == "chunked"
+    assert default_impl(jnp.bfloat16, 64, 64, backend="cpu") == "chunked"
 
 
 def test_resolve_returns_the_named_function():

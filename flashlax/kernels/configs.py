@@ -223,9 +223,9 @@ class DecodeConfig:
     the same launch (the last split of a group to finish merges its partials; an atomic counter per group)
     when one program's float32 partials, all splits together, take at most ``merge_in_kernel_kb`` KB
     (one program reads them back: a larger merge is faster spread over the chip by the fused XLA step;
-    0: always the XLA step). H200, D128 bf16
-    (64-key tiles, 3 stages: about 100 KB of shared memory, two programs per SM): one wave of 256 programs
-    was fastest at every measured shape (docs/PERF_NOTES.md).
+    0: always the XLA step). H200, D128 bf16: one wave of programs was fastest at every measured shape;
+    64-key tiles with 4 stages (about 134 KB of shared memory, one program per SM) beat 3 stages at two per
+    SM by 2-6% at B1 L65536 and Lq 4-16, and equalled it at B8 / B32 (docs/PERF_NOTES.md).
     """
 
     block_kv: int = 64
@@ -277,7 +277,9 @@ def _as_flash(config: DecodeConfig, rows: int) -> FlashConfig:
 DECODE_CONFIGS: dict[str, dict[tuple[int, str], DecodeConfig]] = {
     "h200": {
         (64, "16"): DecodeConfig(128, 4, 3, 64),
-        (128, "16"): DecodeConfig(64, 4, 3, 64),
+        # 4 stages, one program per SM (session 15: 3-4% faster than 3 stages at two per SM at B1 L65536,
+        # 6% at B1 Lq16; docs/PERF_NOTES.md, decode "Session 15")
+        (128, "16"): DecodeConfig(64, 4, 4, 64, programs_per_sm=1),
         (256, "16"): DecodeConfig(64, 4, 2, 32),
         (64, "32"): DecodeConfig(64, 4, 2, 32),
         (128, "32"): DecodeConfig(32, 4, 2, 32),

@@ -354,9 +354,9 @@ def choose_num_splits(batch: int, kv_heads: int, max_len: int, *, config: Decode
     cfg = config or decode_config(128, 128, jnp.bfloat16, device_kind)
     sms = multiprocessors or num_sms(device_kind)
     tiles = _cdiv(max_len, cfg.block_kv)
-    # One wave: as many splits as fit next to the other groups' programs (rounding down; H200: 32 splits of
-    # a B1 Hkv8 cache took 0.075 ms at L65536, 64 splits 0.080, 128 splits 0.079; B32 L4096 1 split 0.131,
-    # 2 splits 0.148; docs/PERF_NOTES.md).
+    # One wave: as many splits as fit next to the other groups' programs (rounding down; H200 at two programs
+    # per SM: 32 splits of a B1 Hkv8 cache took 0.075 ms at L65536, 64 splits 0.080, 128 splits 0.079; B32
+    # L4096 1 split 0.131, 2 splits 0.148; docs/PERF_NOTES.md).
     want = max(1, cfg.programs_per_sm * sms // (batch * kv_heads * row_blocks))
     tiles_per_split = max(cfg.min_split_tiles, _cdiv(tiles, want))
     return _cdiv(tiles, tiles_per_split)
