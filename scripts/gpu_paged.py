@@ -49,14 +49,21 @@ TINY = dict(hq=4, hkv=2, d=32, shapes=[(1, 1, 512), (2, 1, 256), (1, 4, 512)], d
 RESULTS: list[dict] = []
 # (name, page size, DecodeConfig overrides of the shipped config | "jax"); --variants picks by name.
 # Triton's pipeliner gives loads fed by a pipelined (vector) table read in the same loop step (stages - 1) // 2
-# steps of lead, and waits on a scalar table read every step; the shipped config reads the next tile's pages
-# one step ahead (page_prefetch, a carried value): "nopf" variants read them in the step (session 14's kernel),
-# "st5" gives those 5 stages (two steps of lead again), "scalars" one scalar table read per page.
+# steps of lead, and waits on a scalar table read every step; the shipped config reads the pages
+# `page_prefetch` steps ahead (carried values): "nopf" reads them in the step (session 14's kernel), "pf<n>"
+# n steps ahead (more than one: Triton's pipeliner then gives up on the loop, 2x slower), "st5" 5 stages,
+# "scalars" one scalar table read per page, "s3x2" / "s4x1" the paged launch at 3 stages and two programs
+# per SM (the H200's shipped paged config) / at the contiguous kernel's 4 stages and one per SM.
+S3X2 = (("num_stages", 3), ("programs_per_sm", 2))
 VARIANTS = [
     ("paged p64", 64, {}), ("paged p16", 16, {}),
-    ("p64 nopf", 64, dict(page_prefetch=False)), ("p16 nopf", 16, dict(page_prefetch=False)),
-    ("p16 st5 nopf", 16, dict(paged_stages=5, page_prefetch=False)),
-    ("p16 scalars nopf", 16, dict(page_lookup="scalars", page_prefetch=False)),
+    ("p64 nopf", 64, dict(page_prefetch=0)), ("p16 nopf", 16, dict(page_prefetch=0)),
+    ("p16 pf2", 16, dict(page_prefetch=2)), ("p16 pf3", 16, dict(page_prefetch=3)),
+    ("p64 pf2", 64, dict(page_prefetch=2)), ("p64 pf3", 64, dict(page_prefetch=3)),
+    ("p16 s3x2", 16, dict(paged=S3X2)), ("p64 s3x2", 64, dict(paged=S3X2)),
+    ("p16 s4x1", 16, dict(paged=())), ("p64 s4x1", 64, dict(paged=())),
+    ("p16 s3x2 pf2", 16, dict(paged=S3X2, page_prefetch=2)),
+    ("p16 st5 nopf", 16, dict(paged=(("num_stages", 5),), page_prefetch=0)),
     ("p16 scalars", 16, dict(page_lookup="scalars")), ("p64 rows", 64, dict(page_lookup="rows")),
     ("paged p16 bk16", 16, dict(block_kv=16)), ("jax_paged p64", 64, "jax"), ("jax_paged p16", 16, "jax"),
 ]

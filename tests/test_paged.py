@@ -234,10 +234,9 @@ def test_entries_past_the_length_may_hold_anything():
 
 
 PAGE_LOOKUP_CASES = [
-    # (page_size, DecodeConfig.page_lookup, page_prefetch): 64-key tiles, so pages of 16 span four pages
-    # a tile, 64 one, 48 straddle tiles ("scalars" then reads row by row).
-    (16, "scalars", True), (16, "rows", False), (16, "auto", True), (64, "rows", True), (64, "scalars", False),
-    (48, "scalars", True),
+    # (page_size, DecodeConfig.page_lookup, page_prefetch: steps ahead). 64-key tiles: a tile spans four
+    # pages of 16 or one of 64; pages of 48 straddle tiles ("scalars" then reads row by row).
+    (16, "scalars", 1), (16, "rows", 0), (16, "auto", 3), (64, "rows", 2), (64, "scalars", 0), (48, "scalars", 1),
 ]
 
 
@@ -257,7 +256,7 @@ def test_decode_paged_lookup_modes_equal_contiguous(page_size, lookup, prefetch)
     lens = np.array([max_pages * page_size, page_size + 70], np.int32)
     q = rng.normal(size=(batch, hq, 2, dim)).astype(np.float32)
     cfg = dataclasses.replace(decode_config(dim, dim, np.float32, "NVIDIA H200"), page_lookup=lookup,
-                              page_prefetch=prefetch, paged_stages=5)
+                              page_prefetch=prefetch, paged=(("num_stages", 5), ("page_prefetch", prefetch)))
     assert cfg.block_kv == 64
     kw = dict(kv_lens=jnp.asarray(lens), interpret=True, return_lse=True, num_splits=3)
     out_c, lse_c = decode_attention_pallas(q, k_cont, v_cont, **kw)
@@ -268,7 +267,8 @@ def test_decode_paged_lookup_modes_equal_contiguous(page_size, lookup, prefetch)
     np.testing.assert_allclose(np.asarray(lse_p), np.asarray(lse_c), rtol=2e-6, atol=2e-6)
 
 
-@pytest.mark.parametrize("field,bad", [("page_lookup", "gather"), ("page_prefetch", 1), ("paged_stages", -1)])
+@pytest.mark.parametrize("field,bad", [("page_lookup", "gather"), ("page_prefetch", True), ("page_prefetch", 9),
+                                       ("paged", (("stages", 3),)), ("paged", (("num_stages", 0),))])
 def test_decode_config_paged_fields_validated(field, bad):
     from flashlax.kernels.configs import DecodeConfig
     with pytest.raises(ValueError, match=field):

@@ -235,15 +235,16 @@ class DecodeConfig:
     programs_per_sm: int = 2
     min_split_tiles: int = 4
     merge_in_kernel_kb: int = 128
-    # Paged caches (issue 18): how a tile finds its pages (``_tiles.Pages.lookup``), whether the next
-    # tile's pages are read one loop step ahead (carried in the loop), and the Triton stages of a paged
-    # launch (0: as num_stages). Triton's pipeliner gives loads fed by a pipelined table read in the same
-    # step (an indirect load) (stages - 1) // 2 steps of lead instead of stages - 1, and waits on a scalar
-    # table read in every step: reading one step ahead avoids both (H200, B8 L16384 pages of 16: 1.13x the
-    # contiguous kernel's time before, 1.02x after; docs/PERF_NOTES.md, "Paged KV caches").
+    # Paged caches (issue 18): how a tile finds its pages (``_tiles.Pages.lookup``); how many loop steps
+    # ahead it reads them (carried in the loop; 0: in the step); ``paged``: (field, value) pairs a paged
+    # launch whose tiles span pages uses instead of this config's (e.g. (("num_stages", 3),)). Triton's pipeliner gives loads
+    # fed by a pipelined table read in the same step (an indirect load) (stages - 1) // 2 steps of lead
+    # instead of stages - 1, and waits on a scalar table read every step: reading ahead avoids both (H200,
+    # B8 L16384 pages of 16: 1.13x the contiguous kernel's time in the step, 1.02x one step ahead;
+    # docs/PERF_NOTES.md, "Paged KV caches").
     page_lookup: str = "auto"
-    page_prefetch: bool = True
-    paged_stages: int = 0
+    page_prefetch: int = 1
+    paged: tuple = ()
 
     def __post_init__(self):
         try:   # the tile fields obey the flash forward's rules (block_rows is its block_q)
@@ -256,10 +257,27 @@ class DecodeConfig:
                 raise ValueError(f"DecodeConfig: {name} must be a positive int, got {val!r}")
         if self.page_lookup not in PAGE_LOOKUPS:
             raise ValueError(f"DecodeConfig: page_lookup must be one of {PAGE_LOOKUPS}, got {self.page_lookup!r}")
-        if not isinstance(self.page_prefetch, bool):
-            raise ValueError(f"DecodeConfig: page_prefetch must be a bool, got {self.page_prefetch!r}")
-        if isinstance(self.paged_stages, bool) or not isinstance(self.paged_stages, int) or self.paged_stages < 0:
-            raise ValueError(f"DecodeConfig: paged_stages must be an int >= 0, got {self.paged_stages!r}")
+        if isinstance(self.page_prefetch, bool) or not isinstance(self.page_prefetch, int) \
+                or not 0 <= self.page_prefetch <= 4:
+            raise ValueError(f"DecodeConfig: page_prefetch must be an int in 0..4, got {self.page_prefetch!r}")
+        if self.paged:
+            names = {f.name for f in dataclasses.fields(self)} - {"paged"}
+            if not isinstance(self.paged, tuple) or not all(
+                    isinstance(p, tuple) and len(p) == 2 and p[0] in names for p in self.paged):
+                raise ValueError("DecodeConfig: paged must be a tuple of (field, value) pairs naming other "
+                                 f"DecodeConfig fields, got {self.paged!r}")
+            try:
+                self.for_paged()      # the paged launch's config is valid too
+            except ValueError as err:
+                raise ValueError(f"DecodeConfig: paged overrides {self.paged!r}: {err}") from None
+
+    def for_paged(self, page_size: int | None = None) -> "DecodeConfig":
+        """The config a paged launch runs: this one with the ``paged`` overrides when its tiles span pages
+        (``page_size`` not a multiple of ``block_kv``: per-row page lookups) or ``page_size`` is None; a tile
+        inside one page runs as the contiguous kernel does."""
+        if not self.paged or (page_size is not None and page_size % self.block_kv == 0):
+            return self
+        return dataclasses.replace(self, paged=(), **dict(self.paged))
         if isinstance(self.merge_in_kernel_kb, bool) or not isinstance(self.merge_in_kernel_kb, int) \
                 or self.merge_in_kernel_kb < 0:
             raise ValueError(f"DecodeConfig: merge_in_kernel_kb must be an int >= 0, got {self.merge_in_kernel_kb!r}")
@@ -277,9 +295,12 @@ def _as_flash(config: DecodeConfig, rows: int) -> FlashConfig:
 DECODE_CONFIGS: dict[str, dict[tuple[int, str], DecodeConfig]] = {
     "h200": {
         (64, "16"): DecodeConfig(128, 4, 3, 64),
-        # 4 stages, one program per SM (session 15: 3-4% faster than 3 stages at two per SM at B1 L65536,
-        # 6% at B1 Lq16; docs/PERF_NOTES.md, decode "Session 15")
-        (128, "16"): DecodeConfig(64, 4, 4, 64, programs_per_sm=1),
+        # 4 stages, one program per SM (session 15: 2% faster than 3 stages at two per SM at B1 L65536,
+        # 6% at B1 Lq16); tiles spanning pages (per-row page lookups: pages of 16) keep 3 stages at two
+        # per SM (1.08-1.11x the contiguous time at 4 stages, one per SM; 1.00-1.09x so); docs/PERF_NOTES.md,
+        # decode and "Paged KV caches", session 15.
+        (128, "16"): DecodeConfig(64, 4, 4, 64, programs_per_sm=1,
+                                  paged=(("num_stages", 3), ("programs_per_sm", 2))),
         (256, "16"): DecodeConfig(64, 4, 2, 32),
         (64, "32"): DecodeConfig(64, 4, 2, 32),
         (128, "32"): DecodeConfig(32, 4, 2, 32),

@@ -115,7 +115,7 @@ def _decode_kernel(kv_lens_ref, *refs, st: _Static, n_score_cap: int, groups: in
     if st.page_size:
         pages = _tiles.Pages(refs[0], st.page_size, st.num_pages, st.max_pages, st.config.page_lookup)
         refs = refs[1:]
-    prefetch = pages is not None and st.config.page_prefetch
+    ahead = st.config.page_prefetch if pages is not None else 0   # tiles whose pages are read ahead
     q_ref, k_ref, v_ref, *refs = refs
     fused = st.merge_in_kernel
     if fused:   # inputs ..., captured, counter (aliased to the last output); outputs out, lse, partials, counter
@@ -152,14 +152,14 @@ def _decode_kernel(kv_lens_ref, *refs, st: _Static, n_score_cap: int, groups: in
     mult = _tiles.exponent_factor(st.scale, st.score_mod is not None)
 
     def visit(tile, carry, edge: bool):
-        m_prev, l_prev, acc_prev, *ahead = carry
+        m_prev, l_prev, acc_prev, *queued = carry
         kv_start = _kv_tile_start(tile, bk)
         limit = kv_len if edge else None
-        page, page_next = None, ()
-        if pages is not None:   # this tile's pages (read one step ahead with page_prefetch), then the next's
-            page = ahead[0] if prefetch else _tiles.page_ids(pages, kv_start, bk)
-            if prefetch:
-                page_next = (_tiles.page_ids(pages, _kv_tile_start(tile + 1, bk), bk),)
+        page, queue = None, ()
+        if pages is not None:   # this tile's pages (read `ahead` steps before), then those of tile + ahead
+            page = queued[0] if ahead else _tiles.page_ids(pages, kv_start, bk)
+            if ahead:
+                queue = (*queued[1:], _tiles.page_ids(pages, _kv_tile_start(tile + ahead, bk), bk))
         k = _load_kv(k_ref, kv_start, bk, dp, d, limit, pages, page)
         v = _load_kv(v_ref, kv_start, bk, dvp, dv, limit, pages, page)
         qk = _tiles.dot_nt(q, k, precision)
@@ -171,7 +171,7 @@ def _decode_kernel(kv_lens_ref, *refs, st: _Static, n_score_cap: int, groups: in
             s = jnp.where(st.mask_mod(mask_caps, b, h, q_idx, kv_idx), s, -jnp.inf)
         p, alpha, m_new, l_new = _tiles.softmax_update(s, m_prev, l_prev, mult, st.interpret)
         acc = acc_prev * alpha[:, None] + _tiles.dot_nn(p.astype(v.dtype), v, precision)
-        return (m_new, l_new, acc, *page_next)
+        return (m_new, l_new, acc, *queue)
 
     # This split's tiles [lo, hi), clipped to the sequence; tiles below `whole` are seen whole by every
     # new token (they end at or before kv_len - Lq + 1), the rest (at most two) need the edge mask.
@@ -181,8 +181,7 @@ def _decode_kernel(kv_lens_ref, *refs, st: _Static, n_score_cap: int, groups: in
     mid = jnp.clip(whole, lo, hi)
     carry = (jnp.full((br,), -jnp.inf, jnp.float32), jnp.zeros((br,), jnp.float32),
              jnp.zeros((br, dvp), jnp.float32))
-    if prefetch:
-        carry += (_tiles.page_ids(pages, _kv_tile_start(lo, bk), bk),)
+    carry += tuple(_tiles.page_ids(pages, _kv_tile_start(lo + i, bk), bk) for i in range(ahead))
     carry = lax.fori_loop(lo, mid, lambda j, c: visit(j, c, edge=False), carry)
     carry = lax.fori_loop(mid, hi, lambda j, c: visit(j, c, edge=True), carry)
 
@@ -447,9 +446,8 @@ def kernel_outputs(q, k_cache, v_cache, kv_lens, *, scale: float, num_splits, sc
         kind = jax.devices()[0].device_kind if not interpret else "cpu-interpret"
     groups = q_heads // kv_heads
     rows = groups * q_len
-    # A paged launch may run more Triton stages (DecodeConfig.paged_stages): checked and shrunk as such.
-    staged = (lambda c: dataclasses.replace(c, num_stages=c.paged_stages)  # noqa: E731
-              if block_table is not None and c.paged_stages else c)
+    # A paged launch runs the config's paged overrides (DecodeConfig.paged): checked and shrunk as such.
+    staged = (lambda c: c.for_paged(paging["page_size"])) if paging else (lambda c: c)  # noqa: E731
     if config is None:
         cfg = staged(decode_config(d, dv, q.dtype, kind))
         block_rows = min(cfg.block_rows, max(MIN_ROWS, pow2(rows)))
