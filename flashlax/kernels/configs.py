@@ -236,12 +236,12 @@ class DecodeConfig:
     min_split_tiles: int = 4
     merge_in_kernel_kb: int = 128
     # Paged caches (issue 18): how a tile finds its pages (``_tiles.Pages.lookup``); how many loop steps
-    # ahead it reads them (carried in the loop; 0: in the step); ``paged``: (field, value) pairs a paged
-    # launch whose tiles span pages uses instead of this config's (e.g. (("num_stages", 3),)). Triton's pipeliner gives loads
-    # fed by a pipelined table read in the same step (an indirect load) (stages - 1) // 2 steps of lead
-    # instead of stages - 1, and waits on a scalar table read every step: reading ahead avoids both (H200,
-    # B8 L16384 pages of 16: 1.13x the contiguous kernel's time in the step, 1.02x one step ahead;
-    # docs/PERF_NOTES.md, "Paged KV caches").
+    # ahead it reads them (carried in the loop; 0: in the step; more than 1 stops Triton pipelining the
+    # loop); ``paged``: (field, value) pairs a paged launch whose tiles span pages uses instead of this
+    # config's (e.g. (("num_stages", 3),)). Triton's pipeliner gives loads fed by a pipelined table read in
+    # the same step (an indirect load) (stages - 1) // 2 steps of lead instead of stages - 1, and waits on
+    # a scalar table read every step: reading one step ahead avoids both (H200, B8 L16384 pages of 16:
+    # 1.13x the contiguous kernel's time reading in the step, 1.02x one step ahead; docs/PERF_NOTES.md).
     page_lookup: str = "auto"
     page_prefetch: int = 1
     paged: tuple = ()
