@@ -63,7 +63,10 @@ VARIANTS = [
     ("p16 s3x2", 16, dict(paged=S3X2)), ("p64 s3x2", 64, dict(paged=S3X2)),
     ("p16 s4x1", 16, dict(paged=())), ("p64 s4x1", 64, dict(paged=())),
     ("p16 s3x2 pf2", 16, dict(paged=S3X2, page_prefetch=2)),
-    ("p16 st5 nopf", 16, dict(paged=(("num_stages", 5),), page_prefetch=0)),
+    ("p16 st5 nopf", 16, dict(paged=(("num_stages", 5), ("programs_per_sm", 2)), page_prefetch=0)),
+    # one program per SM, the table read in the step: 7 / 5 stages give K/V 3 / 2 steps of lead (session 16)
+    ("p16 st7x1 nopf", 16, dict(paged=(("num_stages", 7),), page_prefetch=0)),
+    ("p16 st5x1 nopf", 16, dict(paged=(("num_stages", 5),), page_prefetch=0)),
     ("p16 scalars", 16, dict(page_lookup="scalars")), ("p64 rows", 64, dict(page_lookup="rows")),
     ("paged p16 bk16", 16, dict(block_kv=16)), ("jax_paged p64", 64, "jax"), ("jax_paged p16", 16, "jax"),
 ]

@@ -267,6 +267,30 @@ def test_decode_paged_lookup_modes_equal_contiguous(page_size, lookup, prefetch)
     np.testing.assert_allclose(np.asarray(lse_p), np.asarray(lse_c), rtol=2e-6, atol=2e-6)
 
 
+def test_decode_paged_shared_memory_counts_the_pipelined_buffers():
+    """An explicit paged config that reads the table in the loop step (no read-ahead) is checked against
+    shared memory as Triton allocates it: (stages - 1) // 2 + 1 K/V buffers behind the vector table read.
+    7 stages at D128 bf16 (230 KB counted at face value, over the H200's 227 KB) fit so; the same stages
+    with read-ahead do not, and raise."""
+    import dataclasses
+
+    from flashlax.kernels.configs import decode_config
+    from flashlax.kernels.decode import decode_attention_pallas
+    rng = np.random.default_rng(7)
+    k_pool, table, k_cont = _paged_cache(rng, 1, 1, 16, 16, 128, dtype=np.float32)
+    k_pool, k_cont = (jnp.asarray(x, jnp.bfloat16) for x in (k_pool, k_cont))
+    q = jnp.asarray(rng.normal(size=(1, 4, 1, 128)), jnp.bfloat16)
+    base = decode_config(128, 128, jnp.bfloat16, "NVIDIA H200")
+    kw = dict(interpret=True, device_kind="NVIDIA H200", num_splits=2)
+    in_step = dataclasses.replace(base, paged=(), num_stages=7, page_prefetch=0, programs_per_sm=1)
+    got = decode_attention_pallas(q, k_pool, k_pool, block_table=jnp.asarray(table), config=in_step, **kw)
+    want = decode_attention_pallas(q, k_cont, k_cont, **kw)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-2, atol=1e-2)
+    with pytest.raises(ValueError, match="shared memory"):
+        decode_attention_pallas(q, k_pool, k_pool, block_table=jnp.asarray(table),
+                                config=dataclasses.replace(in_step, page_prefetch=1), **kw)
+
+
 @pytest.mark.parametrize("field,bad", [("page_lookup", "gather"), ("page_prefetch", True), ("page_prefetch", 9),
                                        ("paged", (("stages", 3),)), ("paged", (("num_stages", 0),))])
 def test_decode_config_paged_fields_validated(field, bad):

@@ -146,6 +146,14 @@ def page_ids(pages: Pages, start, rows: int):
     return read(lax.div(i32(start) + iota, ps))
 
 
+def vector_table_read(lookup: str, page_size: int, rows: int) -> bool:
+    """True when :func:`page_ids` reads the block table as a [rows] vector (a load Triton's pipeliner
+    pipelines, so K/V loads that use it in the same loop step count as indirect loads)."""
+    if page_size % rows == 0 and lookup != "rows":
+        return False
+    return not (lookup == "scalars" and rows % page_size == 0)
+
+
 def kv_tile_view(ref, start, rows: int, cols: int, pages: Pages | None = None, page=None):
     """``ref.at[...]`` of the logical rows start .. start+rows-1, columns 0 .. cols-1 of a K/V ref: a
     [L, >= cols] ref, or a paged one (``pages``; ``page``: the tile's :func:`page_ids` when the caller read

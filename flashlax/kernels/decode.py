@@ -425,6 +425,17 @@ def decode_attention_pallas(q, k_cache, v_cache, *, kv_lens=None, block_table=No
     return out, lse.reshape(batch, q_heads, q_len)
 
 
+def _smem_view(cfg: DecodeConfig, page_size: int) -> DecodeConfig:
+    """``cfg`` as its shared memory is counted. A paged launch that reads the block table as a vector in the
+    same loop step as the K/V loads it feeds (no read-ahead) gets (num_stages - 1) // 2 steps of lead for
+    them from Triton's pipeliner (its AssignLatencies pass: latency = (stages - 1) / (indirection + 1)), so
+    they hold that many + 1 buffers, as a launch of that many + 1 stages would. Used for explicit configs
+    only (experiments: ``scripts/gpu_paged.py``); no shipped config reads the table in the step."""
+    if page_size and cfg.page_prefetch == 0 and _tiles.vector_table_read(cfg.page_lookup, page_size, cfg.block_kv):
+        return dataclasses.replace(cfg, num_stages=(cfg.num_stages - 1) // 2 + 1)
+    return cfg
+
+
 def kernel_outputs(q, k_cache, v_cache, kv_lens, *, scale: float, num_splits, score_tm: TileMod | None = None,
                    mask_tm: TileMod | None = None, interpret: bool = False, config: DecodeConfig | None = None,
                    device_kind: str | None = None, block_table=None):
@@ -457,7 +468,8 @@ def kernel_outputs(q, k_cache, v_cache, kv_lens, *, scale: float, num_splits, sc
     else:
         cfg = staged(config)
         block_rows = min(cfg.block_rows, max(MIN_ROWS, pow2(rows)))
-        check_decode_config(cfg, block_rows, d, dv, q.dtype, kind, tile_reads)
+        check_decode_config(_smem_view(cfg, paging.get("page_size", 0)), block_rows, d, dv, q.dtype, kind,
+                            tile_reads)
     row_blocks = _cdiv(rows, block_rows)
     tiles = _cdiv(max_len, cfg.block_kv)
     if num_splits is None:
