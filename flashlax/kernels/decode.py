@@ -31,7 +31,9 @@ Paged caches (``block_table``, see ``flashlax.paged``): the K/V refs are the poo
 head ([num_pages, page_size, D]) and the sequence's block-table row is an int32 ref read in the kernel. A
 logical tile is loaded from its page (``_tiles.kv_tile_view``): one table read per tile when the page size
 is a multiple of the tile (the tile is one block of one page), a per-row page lookup otherwise (pages of 16
-under 64-key tiles). Nothing is gathered in memory; the rest of the kernel does not change.
+under 64-key tiles). The next tile's pages are read one loop step ahead (``DecodeConfig.page_prefetch``):
+read in the same step, the table read delays the K/V loads it feeds (Triton's pipeliner gives them half
+the lead, or waits on a scalar read). Nothing is gathered in memory; the rest of the kernel does not change.
 """
 
 from __future__ import annotations
