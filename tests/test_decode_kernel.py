@@ -282,6 +282,7 @@ def test_other_decode_configs_fit(family):
     for (max_d, cls), cfg in DECODE_CONFIGS[family].items():
         dtype = jnp.float32 if cls == "32" else jnp.bfloat16
         check_decode_config(cfg, cfg.block_rows, max_d, max_d, dtype, KINDS[family])
+        check_decode_config(cfg.for_paged(), cfg.block_rows, max_d, max_d, dtype, KINDS[family])
 
 
 def test_oversized_decode_config_is_rejected_and_shrunk():
@@ -292,6 +293,12 @@ def test_oversized_decode_config_is_rejected_and_shrunk():
     check_decode_config(cfg, rows, 256, 256, jnp.bfloat16, KINDS["rtx3090"], tile_reads=1)
     with pytest.raises(ValueError):
         DecodeConfig(block_kv=48)
+
+
+@pytest.mark.parametrize("bad", [-1, True, 1.5])
+def test_decode_config_merge_in_kernel_kb_validated(bad):
+    with pytest.raises(ValueError, match="merge_in_kernel_kb"):
+        DecodeConfig(merge_in_kernel_kb=bad)
 
 
 def test_num_splits_choice():

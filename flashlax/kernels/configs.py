@@ -255,6 +255,9 @@ class DecodeConfig:
             val = getattr(self, name)
             if not isinstance(val, int) or val < 1:
                 raise ValueError(f"DecodeConfig: {name} must be a positive int, got {val!r}")
+        if isinstance(self.merge_in_kernel_kb, bool) or not isinstance(self.merge_in_kernel_kb, int) \
+                or self.merge_in_kernel_kb < 0:
+            raise ValueError(f"DecodeConfig: merge_in_kernel_kb must be an int >= 0, got {self.merge_in_kernel_kb!r}")
         if self.page_lookup not in PAGE_LOOKUPS:
             raise ValueError(f"DecodeConfig: page_lookup must be one of {PAGE_LOOKUPS}, got {self.page_lookup!r}")
         if isinstance(self.page_prefetch, bool) or not isinstance(self.page_prefetch, int) \
@@ -278,9 +281,6 @@ class DecodeConfig:
         if not self.paged or (page_size is not None and page_size % self.block_kv == 0):
             return self
         return dataclasses.replace(self, paged=(), **dict(self.paged))
-        if isinstance(self.merge_in_kernel_kb, bool) or not isinstance(self.merge_in_kernel_kb, int) \
-                or self.merge_in_kernel_kb < 0:
-            raise ValueError(f"DecodeConfig: merge_in_kernel_kb must be an int >= 0, got {self.merge_in_kernel_kb!r}")
 
 
 def _as_flash(config: DecodeConfig, rows: int) -> FlashConfig:
