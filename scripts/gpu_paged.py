@@ -35,6 +35,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from _gpu_common import log, rel, rnd, timed  # noqa: E402 (scripts/ is on sys.path)
+from flashlax.bench.harness import clock_up  # noqa: E402
+from flashlax.bench.peers import jax_paged_blocks, page_pool  # noqa: E402
 from flashlax.kernels.configs import decode_config  # noqa: E402
 from flashlax.kernels.decode import decode_attention_pallas  # noqa: E402
 
@@ -75,11 +77,8 @@ VARIANTS = [
 def to_pool(cache, page_size: int, perm):
     """Contiguous [B, H, L, D] -> (pool [B * L / page_size, H, page_size, D] with logical page n of the
     batch-major page order stored at slot perm[n], block_table int32 [B, L / page_size])."""
-    batch, heads, length, dim = cache.shape
-    pages = length // page_size
-    logical = jnp.swapaxes(cache.reshape(batch, heads, pages, page_size, dim), 1, 2).reshape(-1, heads, page_size, dim)
-    pool = jnp.zeros_like(logical).at[perm].set(logical)
-    return pool, perm.reshape(batch, pages).astype(jnp.int32)
+    batch, _, length, _ = cache.shape
+    return page_pool(cache, page_size, perm), perm.reshape(batch, length // page_size).astype(jnp.int32)
 
 
 def jax_paged_fn(page_size: int, pages_per_sequence: int, interpret: bool):
@@ -93,8 +92,7 @@ def jax_paged_fn(page_size: int, pages_per_sequence: int, interpret: bool):
     except ImportError as err:
         log(f"jax paged_attention unavailable: {err}")
         return None
-    k_splits = math.gcd(16, pages_per_sequence)
-    per_block = math.gcd(max(1, 128 // page_size), pages_per_sequence // k_splits)
+    k_splits, per_block = jax_paged_blocks(pages_per_sequence, page_size)
 
     def fn(q_scaled, k_pool_t, v_pool_t, table, lens):
         return mod.paged_attention(q_scaled[:, :, 0], k_pool_t, v_pool_t, table, lens, k_splits=k_splits,
@@ -239,7 +237,6 @@ def main():
     log(f"device {dev.device_kind}, jax {jax.__version__}")
     shapes = TINY["shapes"] if args.tiny else SHAPES
     if not args.tiny:
-        from flashlax.bench.harness import clock_up  # noqa: PLC0415
         clock_up()   # the first timed row otherwise runs at the idle clock
 
     def write():       # after every step, so a cut-off run keeps what finished

@@ -20,6 +20,7 @@ sees the cache up to position ``Lkv - Lq + i``; jax's and torch's ``is_causal`` 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable
 
 import jax
@@ -259,6 +260,20 @@ def page_pool(cache, page_size: int, perm):
     return jnp.zeros_like(logical).at[perm].set(logical)
 
 
+def shuffled_pages(batch: int, pages: int, page_size: int):
+    """(perm int [batch * pages], block_table int32 [batch, pages]): a fixed shuffled page order (seeded by
+    the page size) for :func:`page_pool`, and the table that reads it back."""
+    perm = np.random.default_rng(page_size).permutation(batch * pages)
+    return perm, perm.reshape(batch, pages).astype(np.int32)
+
+
+def jax_paged_blocks(pages: int, page_size: int) -> tuple[int, int]:
+    """(k_splits, pages_per_compute_block) for JAX's ``paged_attention``: its defaults, 16 splits and 128
+    keys per compute block, cut to divisors of the sequence's pages as it requires."""
+    k_splits = math.gcd(16, pages)
+    return k_splits, math.gcd(max(1, 128 // page_size), pages // k_splits)
+
+
 def paged_decode_runner(name: str, cache_shape: tuple[int, int, int, int], *, interpret: bool = False) -> Runner:
     """decode_attention on a paged cache (``PAGED_IMPLS``: impl and page size): the contiguous K/V inputs
     [B, Hkv, L, D] become a page pool in shuffled order outside the timing; the block table is a constant of
@@ -267,8 +282,7 @@ def paged_decode_runner(name: str, cache_shape: tuple[int, int, int, int], *, in
     batch, _, length, _ = cache_shape
     if length % page_size:
         return unavailable(name, ValueError(f"KV length {length} is not a multiple of page size {page_size}"))
-    perm = np.random.default_rng(page_size).permutation(batch * length // page_size)
-    table = perm.reshape(batch, -1).astype(np.int32)
+    perm, table = shuffled_pages(batch, length // page_size, page_size)
 
     def prepare(x):
         return page_pool(x, page_size, perm) if getattr(x, "shape", None) == tuple(cache_shape) else x
@@ -290,18 +304,14 @@ def jax_paged_runner(cache_shape: tuple[int, int, int, int], q_len: int, *, page
         return unavailable(JAX_PAGED, RuntimeError(f"{JAX_PAGED} requires a GPU backend."))
     if q_len != 1:
         return unavailable(JAX_PAGED, ValueError(f"{JAX_PAGED} takes one new token, got Lq {q_len}"))
-    import math  # noqa: PLC0415
     import warnings  # noqa: PLC0415
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         from jax.experimental.pallas.ops.gpu import paged_attention as mod  # noqa: PLC0415
     batch, _, length, dim = cache_shape
-    pages = length // page_size
-    perm = np.random.default_rng(page_size).permutation(batch * pages)
-    table = perm.reshape(batch, pages).astype(np.int32)
-    k_splits = math.gcd(16, pages)
-    per_block = math.gcd(max(1, 128 // page_size), pages // k_splits)
+    perm, table = shuffled_pages(batch, length // page_size, page_size)
+    k_splits, per_block = jax_paged_blocks(length // page_size, page_size)
 
     def prepare(x):
         if getattr(x, "shape", None) == tuple(cache_shape):

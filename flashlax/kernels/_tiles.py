@@ -124,34 +124,39 @@ class Pages:
     lookup: str = "auto"
 
 
+def page_read(lookup: str, page_size: int, rows: int) -> str:
+    """How :func:`page_ids` reads the block table for a tile of ``rows`` rows: "one" (one scalar read: one
+    page holds the tile), "scalars" (one scalar read per page of the tile) or "rows" (a [rows] vector read,
+    one entry per row: a load Triton's pipeliner pipelines, so K/V loads that use it in the same loop step
+    count as indirect loads)."""
+    if page_size % rows == 0 and lookup != "rows":
+        return "one"
+    if lookup == "scalars" and rows % page_size == 0:
+        return "scalars"
+    return "rows"
+
+
 def page_ids(pages: Pages, start, rows: int):
     """The pool pages of the logical rows start .. start+rows-1 (``start`` a multiple of ``rows``): an int32
-    scalar when one page holds them all and ``pages.lookup`` is not "rows", else int32 [rows], one per row.
-    Table entries and page numbers are clamped into range, so entries past the sequence, whatever they
-    hold, never address outside the pool."""
+    scalar when one page holds them all and ``pages.lookup`` is not "rows", else int32 [rows], one per row
+    (:func:`page_read`). Table entries and page numbers are clamped into range, so entries past the
+    sequence, whatever they hold, never address outside the pool."""
     ps = np.int32(pages.page_size)
 
     def read(entry):
         return jnp.clip(pages.table[jnp.clip(entry, 0, pages.max_pages - 1)], 0, pages.num_pages - 1)
 
-    if pages.page_size % rows == 0 and pages.lookup != "rows":
+    how = page_read(pages.lookup, pages.page_size, rows)
+    if how == "one":
         return read(lax.div(i32(start), ps))
     iota = lax.broadcasted_iota(jnp.int32, (rows,), 0)
-    if pages.lookup == "scalars" and rows % pages.page_size == 0:
+    if how == "scalars":
         first = lax.div(i32(start), ps)
         ids = jnp.broadcast_to(read(first), (rows,))
         for k in range(1, rows // pages.page_size):
             ids = jnp.where(iota >= k * pages.page_size, read(first + k), ids)
         return ids
     return read(lax.div(i32(start) + iota, ps))
-
-
-def vector_table_read(lookup: str, page_size: int, rows: int) -> bool:
-    """True when :func:`page_ids` reads the block table as a [rows] vector (a load Triton's pipeliner
-    pipelines, so K/V loads that use it in the same loop step count as indirect loads)."""
-    if page_size % rows == 0 and lookup != "rows":
-        return False
-    return not (lookup == "scalars" and rows % page_size == 0)
 
 
 def kv_tile_view(ref, start, rows: int, cols: int, pages: Pages | None = None, page=None):

@@ -433,7 +433,7 @@ def _smem_view(cfg: DecodeConfig, page_size: int) -> DecodeConfig:
     them from Triton's pipeliner (its AssignLatencies pass: latency = (stages - 1) / (indirection + 1)), so
     they hold that many + 1 buffers, as a launch of that many + 1 stages would. Used for explicit configs
     only (experiments: ``scripts/gpu_paged.py``); no shipped config reads the table in the step."""
-    if page_size and cfg.page_prefetch == 0 and _tiles.vector_table_read(cfg.page_lookup, page_size, cfg.block_kv):
+    if page_size and cfg.page_prefetch == 0 and _tiles.page_read(cfg.page_lookup, page_size, cfg.block_kv) == "rows":
         return dataclasses.replace(cfg, num_stages=(cfg.num_stages - 1) // 2 + 1)
     return cfg
 
