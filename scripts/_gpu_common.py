@@ -73,3 +73,18 @@ def timed(fn, arg_sets, *, calls: int, reps: int, singles: int, sync=jax.block_u
         sync(fn(*arg_sets[i % len(arg_sets)]))
         lat.append((time.perf_counter() - start) * 1e3)
     return statistics.median(thr), statistics.median(lat)
+
+
+def dispatch_us(fn, args, calls=200):
+    """Host microseconds per call when nothing waits for the GPU (``calls`` calls, no sync; median of 5 loops).
+    Where the GPU takes longer per call than the host, the queue fills and this is the GPU's pace instead."""
+    jax.block_until_ready(fn(*args))
+    samples = []
+    for _ in range(5):
+        jax.block_until_ready(fn(*args))
+        t = time.perf_counter()
+        for _ in range(calls):
+            out = fn(*args)
+        samples.append((time.perf_counter() - t) / calls * 1e6)
+        jax.block_until_ready(out)
+    return statistics.median(samples)

@@ -20,7 +20,12 @@ Ablations (monkeypatches applied while the kernel is traced):
             decays (the strict mask instead of exp of segment sums). Session 13 (bf16 dk128): precompute
             0.571 ms, nout 0.109: the UT transform is 80% of it, and neither tensor-core 16 x 16 products
             (smalltc 0.691) nor whole-chunk 64 x 64 ones (0.53 at 4 warps) made it cheaper.
-  all       everything above together.
+  st-vec    the state kernel's per-chunk decay vectors (chunk_vectors: masked [C, C] sums and exps) as ones:
+            what forming them in every sequential step costs;
+  st-nostore
+            the state kernel stores neither the chunk states h nor D (the final state only): what the per-step
+            stores cost;
+  all       everything above together (not st-*).
 
   python3 scripts/gpu_ablate.py --out $OUT [--kernels dqk,wy,out,dout] [--smoke]
 """
@@ -74,6 +79,13 @@ def patched(name, st):
             return _ssd_tiles.dot(x, jnp.where(_ssd_tiles.tri(self.sb, "lt"), 1.0, 0.0), st)
         setattr_(_ssd_tiles.Decays, "diag_seg", diag_seg)
         setattr_(_ssd_tiles.Decays, "prefix_before", prefix_before)
+    if "st-vec" in names:
+        setattr_(ssd, "chunk_vectors", lambda la, st_: (1.0 + 0.0 * la, 1.0 + 0.0 * la, 1.0 + 0.0 * jnp.sum(la)))
+    if "st-nostore" in names:
+        real_store_state, real_store = ssd.store_state, ssd.store
+        setattr_(ssd, "store_state", lambda ref, row0, col0, val, st_, user=False: (
+            real_store_state(ref, row0, col0, val, st_, user=user) if user else None))
+        setattr_(ssd, "store", lambda ref, *a, **kw: None)
     if "nodecay" in names:
         setattr_(_ssd_tiles.Decays, "G", lambda self, i, j, strict=False: jnp.ones((self.sb, self.sb), jnp.float32))
     def patch_ut(fn):       # the kernel modules call ut_blocks by the name they imported

@@ -25,22 +25,37 @@ import flashlax
 from flashlax.bench.harness import clock_up
 from flashlax.kernels import decode as dk
 from flashlax.kernels.configs import decode_config
-from _gpu_common import log, rnd, timed
+from _gpu_common import dispatch_us, log, rnd, timed
 
 HQ, HKV, D = 32, 8, 128
 
 
-def dispatch_us(fn, args, calls=200):
-    """Host microseconds per call when nothing waits for the GPU (median of 5 loops)."""
-    jax.block_until_ready(fn(*args))
+
+
+def chain_us(step, sets, n=30, reps=7):
+    """GPU microseconds per call without the host: ``n`` calls chained in ONE jitted program (each call's
+    output is the next call's q; the K/V copies rotate so one pass is not served from L2), timed against the
+    same program with one call: (t_n - t_1) / (n - 1), median of ``reps`` pairs."""
+    def chained(count):
+        def run(q, *kvs):
+            for i in range(count):
+                k, v = kvs[2 * (i % (len(kvs) // 2)): 2 * (i % (len(kvs) // 2)) + 2]
+                q = step(q, k, v).astype(q.dtype).reshape(q.shape)
+            return q
+        return jax.jit(run)
+    flat = (sets[0][0],) + tuple(x for s in sets for x in s[1:])
+    one, many = chained(1), chained(n)
+    jax.block_until_ready(one(*flat))
+    jax.block_until_ready(many(*flat))
     samples = []
-    for _ in range(5):
-        jax.block_until_ready(fn(*args))
+    for _ in range(reps):
         t = time.perf_counter()
-        for _ in range(calls):
-            out = fn(*args)
-        samples.append((time.perf_counter() - t) / calls * 1e6)
-        jax.block_until_ready(out)
+        jax.block_until_ready(one(*flat))
+        t1 = time.perf_counter() - t
+        t = time.perf_counter()
+        jax.block_until_ready(many(*flat))
+        tn = time.perf_counter() - t
+        samples.append((tn - t1) / (n - 1) * 1e6)
     return statistics.median(samples)
 
 
@@ -59,6 +74,9 @@ def main():
                    help="also time the full call with these DecodeConfig overrides: comma-separated "
                         "block_kv/num_warps/num_stages[/programs_per_sm] (variants cfg_...)")
     p.add_argument("--only-configs", action="store_true", help="time the shipped full call and the --configs only")
+    p.add_argument("--chain", type=int, default=0,
+                   help="also the GPU time per call of the full variants and jax xla: this many calls chained in "
+                        "one program (chain_us)")
     args = p.parse_args()
     rows = []
     clock_up()   # the GPU leaves its idle SM clock (345 MHz) before the first timed row
@@ -108,6 +126,11 @@ def main():
                 thr, lat = timed(fn, arg_sets, calls=100, reps=7, singles=10)
                 row = dict(batch=batch, lkv=length, lq=lq, variant=name, thr_ms=thr, lat_ms=lat,
                            dispatch_us=dispatch_us(fn, arg_sets[0]), **kernels(fn, arg_sets[0]))
+                if args.chain and (name.startswith("full") or name.startswith("jax_xla_gqa")):
+                    step = fn
+                    if name.startswith("jax_xla"):   # [B, Lq, Hq, D] out -> q's [B, Hq, Lq, D]
+                        step = lambda q, k, v, f=fn: f(q, k, v).swapaxes(1, 2)  # noqa: E731
+                    row["gpu_chain_us"] = chain_us(step, arg_sets, n=args.chain)
                 if name.startswith("full"):
                     got = fn(*sets[0])
                     row["max_abs_vs_xla"] = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))

@@ -175,7 +175,12 @@ KERNEL_VARIANTS = {
     # shipped H200 float32 dk64: state_block_v 16, 4 warps, 2 stages, tf32x3
     "state": {"bv16 w4 s3": dict(state_block_v=16, state_warps=4, state_stages=3),
               "bv16 w2 s3": dict(state_block_v=16, state_warps=2, state_stages=3),
-              "bv16 w4 s4": dict(state_block_v=16, state_warps=4, state_stages=4)},
+              "bv16 w4 s4": dict(state_block_v=16, state_warps=4, state_stages=4),
+              # bf16 dk128 ships bv32 w4 s2 (0.401 ms; session 13: bv16 w4 s3 0.533, w2 s3 0.572, w4 s4 0.617)
+              "bv32 w4 s3": dict(state_block_v=32, state_warps=4, state_stages=3),
+              "bv32 w8 s2": dict(state_block_v=32, state_warps=8, state_stages=2),
+              "bv64 w4 s2": dict(state_block_v=64, state_warps=4, state_stages=2),
+              "bv64 w8 s2": dict(state_block_v=64, state_warps=8, state_stages=2)},
     # (session 11, f32 dk64 two-product form: state bv16 w4 s2 0.573 ms, s3 0.511, s1 0.670, bv32 w4 0.610,
     # w8 0.91-1.12; reverse bv16 w4 s2 0.732, bv32 w4 0.859, s1 0.905, w8 1.13-1.28)
     "reverse": {"rinc": dict(reverse_rinc=True), "rinc s2": dict(reverse_rinc=True, state_stages=2),

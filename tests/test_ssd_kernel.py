@@ -290,6 +290,8 @@ def test_config_validation():
         SSDConfig(reverse_rinc=1)
     with pytest.raises(ValueError, match="mh_kernel"):
         SSDConfig(mh_kernel="yes")
+    with pytest.raises(ValueError, match="kdec"):
+        SSDConfig(kdec=1)
 
 
 @pytest.mark.parametrize("with_beta, transition, rinc, mh", [(True, False, False, False), (True, False, True, False),
@@ -308,6 +310,31 @@ def test_per_kernel_blocks_match(with_beta, transition, rinc, mh):
                               reverse_rinc=rinc, mh_kernel=mh)
     inputs = make_inputs(31, 1, 2, 160, 32, 16, la_lo=-0.1, with_beta=with_beta, with_state=True)
     assert_close(errors(ssd(64, config=cfg), inputs, seed=31), TOLERANCES["float32"])
+
+
+@pytest.mark.parametrize("with_beta", [True, False])
+def test_stored_kdec_matches(with_beta):
+    """SSDConfig.kdec: the precompute stores k decayed to its chunk's end and the state pass (forward, and the
+    backward's recomputation of the chunk states) reads it instead of k and the decay vectors. A partial last
+    chunk, dk not a power of two, strong decays and an initial state; without beta it is a no-op (there is
+    no precompute), checked against the same reference."""
+    cfg = dataclasses.replace(ssd_config(24, 16, jnp.float32, "cpu"), kdec=True, transition=False)
+    fn = ssd(32, scale=24 ** -0.5, config=cfg)
+    inputs = make_inputs(13, 1, 2, 77, 24, 16, la_lo=-30.0, with_beta=with_beta, with_state=True)
+    st = ssd_module.make_static(inputs["q"], inputs["k"], inputs["v"], inputs.get("beta"), scale=1.0,
+                                chunk_size=32, interpret=True, config=cfg, device_kind="cpu")
+    la = inputs["log_alpha"].astype(jnp.float32)
+    pre = ssd_module.precompute_call(st, inputs["k"], inputs["v"], la, inputs.get("beta"))
+    assert ("kdec" in pre) == with_beta
+    if with_beta:    # what was stored: each key times exp(sum of log_alpha after it to its chunk's end)
+        la64 = np.asarray(la, np.float64).reshape(1, 2, -1)
+        pad = (-la64.shape[-1]) % 32
+        blocks = np.pad(la64, ((0, 0), (0, 0), (0, pad))).reshape(1, 2, -1, 32)
+        suffix = np.cumsum(blocks[..., ::-1], -1)[..., ::-1] - blocks        # sum over r > s inside the chunk
+        want = np.exp(suffix).reshape(1, 2, -1)[..., :77, None] * np.asarray(inputs["k"], np.float64)
+        got = np.asarray(pre["kdec"], np.float64)[..., :77, :24]
+        assert rel_err(got, want) < 1e-5
+    assert_close(errors(fn, inputs, seed=13), TOLERANCES["float32"])
 
 
 def test_small_f32_dot_lowers_and_matches():

@@ -71,6 +71,12 @@ class Static:
         return self.config.mh_kernel and self.has_beta and self.transition
 
     @property
+    def kdec(self) -> bool:
+        """Whether the precompute stores k_dec for the state pass (``SSDConfig.kdec``; the two-product form
+        with beta only: without beta there is no precompute, the transition form has no k in its chain)."""
+        return self.config.kdec and self.has_beta and not self.transition
+
+    @property
     def reverse_rinc(self) -> bool:
         """Whether the two-product form's reverse pass takes R_n from the dout kernel
         (``SSDConfig.reverse_rinc``; with beta only: without beta the transition form is that already)."""

@@ -405,7 +405,10 @@ class SSDConfig:
     R_n = q_g^T dO - w^T P^T dO of each reverse step (as in the transition form), so the sequential reverse
     pass chains two products per chunk instead of three and reads neither q nor dO. ``mh_kernel`` (transition
     form with beta): M and H are formed by a kernel of their own from the stored w and u, on ``block``
-    sub-blocks, instead of inside the precompute's 16 x 16 UT structure.
+    sub-blocks, instead of inside the precompute's 16 x 16 UT structure. ``kdec`` (two-product form with
+    beta): the precompute also stores k_dec, each key decayed to its chunk's end ([B, H, T, dk], input
+    dtype, from the same segment sums as every other decay), and the sequential state pass reads it instead
+    of k, so it no longer forms the decay vectors from log_alpha in every step of its chain.
     """
 
     block: int = 16
@@ -423,6 +426,7 @@ class SSDConfig:
     dqk_block_k: int | None = None
     reverse_rinc: bool = False
     mh_kernel: bool = False
+    kdec: bool = False
 
     def __post_init__(self):
         for name in ("block", "block_v", "state_block_v", "max_chunk", "dqk_block_k"):
@@ -438,7 +442,7 @@ class SSDConfig:
             raise ValueError(f"SSDConfig: state_stages must be a positive int, got {self.state_stages!r}")
         if self.f32_dot not in ("ieee", "tf32x3"):
             raise ValueError(f"SSDConfig: f32_dot must be 'ieee' or 'tf32x3', got {self.f32_dot!r}")
-        for name in ("reverse_rinc", "mh_kernel"):
+        for name in ("reverse_rinc", "mh_kernel", "kdec"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SSDConfig: {name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.small_f32_dot, bool):

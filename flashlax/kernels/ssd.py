@@ -62,8 +62,11 @@ def _precompute_kernel(*refs, names, st: Static):
     row_m = pl.program_id(0) * st.dkp
     k = [load(r["k"], row, sb, 0, st.dkp, st, col_bound(st.dk, st.dkp)) for row in rows]
     dec = chunk_decays(r["la"], rows, sb, st)
-    if "inc" in r:
+    if "inc" in r or "kdec" in r:
         k_dec = decayed_keys(k, dec, st)
+        if "kdec" in r:
+            for i in range(nb):
+                store(r["kdec"], rows[i], 0, k_dec[i], st)
     if st.has_beta:
         beta = [load_vec(r["beta"], row, sb, st) for row in rows]
         t, _, _ = ut_blocks(k, beta, dec, st)
@@ -141,7 +144,13 @@ def _state_kernel(*refs, names, st: Static):
             if st.has_beta:
                 return dot(mm(load_square(r["m"], row_m, 0, st, st.dkp), st), mm(s, st), st) + inc
             return jnp.exp(jnp.sum(load_vec(r["la"], r0, c, st))) * s + inc
-        _, e_last, decay = chunk_vectors(load_vec(r["la"], r0, c, st), st)
+        la = load_vec(r["la"], r0, c, st)
+        if "kdec" in r:     # k decayed to the chunk end, stored by the precompute
+            decay = jnp.exp(jnp.sum(la))
+            k_dec = load(r["kdec"], r0, c, 0, st.dkp, st)
+        else:
+            _, e_last, decay = chunk_vectors(la, st)
+            k_dec = mm(load(r["k"], r0, c, 0, st.dkp, st, kcols).astype(F32) * e_last[:, None], st)
         if st.has_beta:
             w = load(r["w"], r0, c, 0, st.dkp, st)
             d = load(r["u"], r0, c, col0, bv, st).astype(F32) - dot(w, mm(s, st), st)
@@ -149,7 +158,6 @@ def _state_kernel(*refs, names, st: Static):
                 store(r["d"], r0, col0, d, st)
         else:
             d = load(r["v"], r0, c, col0, bv, st, vcols).astype(F32)
-        k_dec = mm(load(r["k"], r0, c, 0, st.dkp, st, kcols).astype(F32) * e_last[:, None], st)
         return decay * s + dot(k_dec, mm(d, st), st, ta=True)
 
     s = lax.fori_loop(jnp.int32(0), jnp.int32(st.n_chunks), body, state_block(r["s0"], 0, col0, st, bv))
@@ -180,7 +188,8 @@ def _output_kernel(*refs, names, st: Static):
 
 
 def precompute_call(st: Static, k, v, la, beta, emit_t: bool = False) -> dict:
-    """The per-chunk parallel precompute: w, u [B, H, T, dkp / dvp] in the input dtype (with beta), and with
+    """The per-chunk parallel precompute: w, u [B, H, T, dkp / dvp] in the input dtype (with beta; with
+    ``st.kdec`` also k_dec [B, H, T, dkp], k decayed to its chunk's end, for the state pass), and with
     ``emit_t`` T [B, H, T, C] (row r: row r % C of its chunk's T; input dtype); M [B, H, N * dkp, dkp] (with
     beta) and H [B, H, N * dkp, dvp] float32 (with ``st.transition``). {} when none of these."""
     bh = k.shape[:2]
@@ -188,6 +197,8 @@ def precompute_call(st: Static, k, v, la, beta, emit_t: bool = False) -> dict:
     if st.has_beta:
         outputs["w"] = seq_out(st, bh, st.dkp, st.mm_dtype)
         outputs["u"] = seq_out(st, bh, st.dvp, st.mm_dtype)
+        if st.kdec:
+            outputs["kdec"] = seq_out(st, bh, st.dkp, st.mm_dtype)
         if emit_t:
             outputs["t"] = seq_out(st, bh, st.chunk, st.mm_dtype)
     if st.transition and not st.mh_kernel:
@@ -224,7 +235,10 @@ def state_call(st: Static, k, v, la, s0, pre: dict, emit_delta: bool = False) ->
         if st.has_beta:
             inputs["m"] = per_chunk_arg(pre["m"], st)
     else:
-        inputs["k"] = seq_arg(k, st, st.dkp)
+        if "kdec" in pre:
+            inputs["kdec"] = seq_arg(pre["kdec"], st, st.dkp)
+        else:
+            inputs["k"] = seq_arg(k, st, st.dkp)
         if st.has_beta:
             inputs.update(w=seq_arg(pre["w"], st, st.dkp), u=seq_arg(pre["u"], st, st.dvp))
         else:
