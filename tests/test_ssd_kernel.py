@@ -312,13 +312,15 @@ def test_per_kernel_blocks_match(with_beta, transition, rinc, mh):
     assert_close(errors(ssd(64, config=cfg), inputs, seed=31), TOLERANCES["float32"])
 
 
-@pytest.mark.parametrize("with_beta", [True, False])
-def test_stored_kdec_matches(with_beta):
-    """SSDConfig.kdec: the precompute stores k decayed to its chunk's end and the state pass (forward, and the
-    backward's recomputation of the chunk states) reads it instead of k and the decay vectors. A partial last
-    chunk, dk not a power of two, strong decays and an initial state; without beta it is a no-op (there is
-    no precompute), checked against the same reference."""
-    cfg = dataclasses.replace(ssd_config(24, 16, jnp.float32, "cpu"), kdec=True, transition=False)
+@pytest.mark.parametrize("with_beta, rinc", [(True, False), (True, True), (False, False)])
+def test_stored_kdec_matches(with_beta, rinc):
+    """SSDConfig.kdec: the precompute stores k decayed to its chunk's end and the sequential passes (the
+    forward's state pass, the backward's recomputation of it and its reverse pass, with and without
+    reverse_rinc) read it instead of k and the decay vectors. A partial last chunk, dk not a power of two,
+    strong decays and an initial state; without beta it is a no-op (there is no precompute), checked against
+    the same reference."""
+    cfg = dataclasses.replace(ssd_config(24, 16, jnp.float32, "cpu"), kdec=True, transition=False,
+                              reverse_rinc=rinc)
     fn = ssd(32, scale=24 ** -0.5, config=cfg)
     inputs = make_inputs(13, 1, 2, 77, 24, 16, la_lo=-30.0, with_beta=with_beta, with_state=True)
     st = ssd_module.make_static(inputs["q"], inputs["k"], inputs["v"], inputs.get("beta"), scale=1.0,

@@ -361,10 +361,13 @@ def named(refs, names):
 def chunk_vectors(la, st: Static):
     """(gamma [C], e_last [C], chunk decay) of one whole chunk from its log_alpha [C] (masked sums, no
     cumulative-sum differences): gamma_t = exp(sum_{r <= t}), e_last_s = exp(sum_{r > s})."""
-    c = st.chunk
-    gamma = jnp.exp(jnp.sum(jnp.where(tri(c, "ge"), la[None, :], 0.0), axis=1))
-    e_last = jnp.exp(jnp.sum(jnp.where(tri(c, "lt"), la[None, :], 0.0), axis=1))
-    return gamma, e_last, jnp.exp(jnp.sum(la))
+    e_last = jnp.exp(jnp.sum(jnp.where(tri(st.chunk, "lt"), la[None, :], 0.0), axis=1))
+    return chunk_gamma(la, st), e_last, jnp.exp(jnp.sum(la))
+
+
+def chunk_gamma(la, st: Static):
+    """gamma [C] of :func:`chunk_vectors` alone."""
+    return jnp.exp(jnp.sum(jnp.where(tri(st.chunk, "ge"), la[None, :], 0.0), axis=1))
 
 
 def load_square(ref, row0, col0, st: Static, cols: int, rows: int | None = None):

@@ -31,7 +31,8 @@ from jax.experimental import pallas as pl
 
 from flashlax.kernels import ssd
 from flashlax.kernels._ssd_tiles import (F32, Static, add_all, call, chunk_decays, chunk_delta, chunk_rows,
-                                         chunk_vectors, col_bound, dot, load, load_square, load_vec, mat_spec, mm,
+                                         chunk_gamma, chunk_vectors, col_bound, dot, load, load_square, load_vec,
+                                         mat_spec, mm,
                                          named, p_blocks, per_chunk_arg, per_chunk_out, seq_arg, seq_out,
                                          sequential_program, state_block, store, store_state, store_vec,
                                          vec_out, vec_spec)
@@ -85,8 +86,13 @@ def _reverse_kernel(*refs, names, st: Static):
             if st.has_beta:
                 return dot(mm(load_square(r["m"], row_m, 0, st, st.dkp), st), mm(adj, st), st, ta=True) + rinc
             return jnp.exp(jnp.sum(load_vec(r["la"], r0, c, st))) * adj + rinc
-        gamma, e_last, decay = chunk_vectors(load_vec(r["la"], r0, c, st), st)
-        k_dec = mm(load(r["k"], r0, c, 0, st.dkp, st, kcols).astype(F32) * e_last[:, None], st)
+        la = load_vec(r["la"], r0, c, st)
+        if "kdec" in r:     # k decayed to the chunk end, stored by the precompute (SSDConfig.kdec)
+            decay = jnp.exp(jnp.sum(la))
+            k_dec = load(r["kdec"], r0, c, 0, st.dkp, st)
+        else:
+            gamma, e_last, decay = chunk_vectors(la, st)
+            k_dec = mm(load(r["k"], r0, c, 0, st.dkp, st, kcols).astype(F32) * e_last[:, None], st)
         if "rinc" in r:
             x = dot(k_dec, mm(adj, st), st)
             store(r["dd"], r0, col0, load(r["ddl"], r0, c, col0, bv, st) + x, st)
@@ -94,6 +100,8 @@ def _reverse_kernel(*refs, names, st: Static):
                     - dot(load(r["w"], r0, c, 0, st.dkp, st), mm(x, st), st, ta=True))
         dd = load(r["ddl"], r0, c, col0, bv, st) + dot(k_dec, mm(adj, st), st)
         store(r["dd"], r0, col0, dd, st, None if st.has_beta else vcols)
+        if "kdec" in r:
+            gamma = chunk_gamma(la, st)
         q_g = mm((st.scale * gamma)[:, None] * load(r["q"], r0, c, 0, st.dkp, st, kcols).astype(F32), st)
         adj = decay * adj + dot(q_g, load(r["do"], r0, c, col0, bv, st, vcols), st, ta=True)
         if st.has_beta:
@@ -276,12 +284,13 @@ def reverse_call(st: Static, q, k, la, do, pre: dict, dout: dict, dfinal) -> dic
         inputs["rinc"] = per_chunk_arg(dout["rinc"], st)
         if st.has_beta:
             inputs["m"] = per_chunk_arg(pre["m"], st)
-    elif st.reverse_rinc:
-        inputs.update(k=seq_arg(k, st, st.dkp), ddl=seq_arg(dout["ddl"], st, st.dvp),
-                      w=seq_arg(pre["w"], st, st.dkp), rinc=per_chunk_arg(dout["rinc"], st))
     else:
-        inputs.update(q=seq_arg(q, st, st.dkp), k=seq_arg(k, st, st.dkp), do=seq_arg(do, st, st.dvp),
-                      ddl=seq_arg(dout["ddl"], st, st.dvp))
+        keys = {"kdec": seq_arg(pre["kdec"], st, st.dkp)} if "kdec" in pre else {"k": seq_arg(k, st, st.dkp)}
+        inputs.update(keys, ddl=seq_arg(dout["ddl"], st, st.dvp))
+        if st.reverse_rinc:
+            inputs["rinc"] = per_chunk_arg(dout["rinc"], st)
+        else:
+            inputs.update(q=seq_arg(q, st, st.dkp), do=seq_arg(do, st, st.dvp))
         if st.has_beta:
             inputs["w"] = seq_arg(pre["w"], st, st.dkp)
     inputs["dfinal"] = (dfinal, mat_spec(st.dkp, st.dvp))
