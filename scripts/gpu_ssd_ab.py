@@ -28,7 +28,9 @@ from flashlax.kernels import ssd  # noqa: E402
 SHAPES = {"bf16_128": ((2, 16, 8192, 128), jnp.bfloat16), "f32_128": ((2, 8, 8192, 128), jnp.float32),
           "bf16_256": ((2, 8, 4096, 256), jnp.bfloat16), "f32_64": ((2, 8, 8192, 64), jnp.float32)}
 VARIANTS = {"shipped": {}, "kdec": dict(kdec=True), "s3": dict(state_stages=3),
-            "kdec s3": dict(kdec=True, state_stages=3)}
+            "kdec s3": dict(kdec=True, state_stages=3), "nokdec": dict(kdec=False),
+            "pw4": dict(warps=(("wy", 4), ("dqk", 4), ("out", 4), ("precompute", 4))),
+            "out w8": dict(warps=(("wy", 4), ("dqk", 4), ("precompute", 2)))}
 
 
 def main():

@@ -509,7 +509,8 @@ SSD_CONFIGS: dict[str, dict[tuple[int, str], SSDConfig]] = {
         # vs 0.560 ms at 8, 0.315 at 4, 0.520 at 1; its backward form 0.277 vs 0.580); float32 dk128's output
         # and dout kernels at 4 warps (0.407 vs 0.672, 0.159 vs 0.235 ms; its dqk stays at 8: 2.69 at 4, 2.40);
         # bf16 dk256's output and state kernels at 4 warps (B2 H8 T4096: 0.322 vs 0.500, 0.404 vs 0.651 ms; dqk
-        # 7.65 at 4 vs 6.00).
+        # 7.65 at 4 vs 6.00). Session 16: bf16 dk128 with the stored k_dec (kdec): state 0.395 -> 0.251 ms,
+        # precompute 0.266 -> 0.309, forward 0.812 -> 0.709, fwd+bwd 4.03 -> 3.86 (3 stages: the same).
         (64, "32"): SSDConfig(block=64, block_v=64, state_block_v=16, state_stages=3, f32_dot="tf32x3",
                               transition=True, mh_kernel=True, blocks=(("wy", 16),)),
         (128, "32"): SSDConfig(block=64, block_v=64, num_warps=8, state_block_v=16, state_stages=2,
@@ -520,7 +521,7 @@ SSD_CONFIGS: dict[str, dict[tuple[int, str], SSDConfig]] = {
                               transition=True),
         (128, "16"): SSDConfig(block=64, block_v=64, num_warps=8, state_block_v=32, state_stages=2,
                                f32_dot="tf32x3", blocks=(("wy", 16),), dqk_block_k=64,
-                               warps=(("wy", 4), ("dqk", 4), ("out", 4), ("precompute", 2))),
+                               warps=(("wy", 4), ("dqk", 4), ("out", 4), ("precompute", 2)), kdec=True),
         (256, "16"): SSDConfig(block=16, block_v=32, num_warps=8, state_block_v=16, state_warps=8,
                                state_stages=1, max_chunk=64, f32_dot="tf32x3", warps=(("out", 4), ("state", 4))),
     },
