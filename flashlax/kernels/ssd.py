@@ -16,7 +16,9 @@ kernels by parallelism. Per chunk of C tokens with state ``S`` at its start::
 2. ``_state_kernel`` (one program per batch, head and ``state_block_v`` columns of dv): the sequential pass
    over the chunks, the float32 state in registers, storing each chunk's start state. Two forms
    (``SSDConfig.transition``): ``D = u - w S`` (stored), ``S <- g_C S + k_dec^T D``: two products per
-   step; or ``S <- M S + H``: one product (none without beta), D formed later by the output kernel.
+   step; or ``S <- M S + H``: one product (none without beta), D formed later by the output kernel. With
+   ``SSDConfig.kdec`` the precompute stores k_dec and the two-product form reads it, so no decay vector is
+   formed inside the sequential chain.
 3. ``_output_kernel`` (one program per chunk, batch and head): O = P D + q_g S with P recomputed from q, k.
 
 Numerics. Every decay is ``exp`` of a segment sum of log_alpha inside one chunk: for two positions in
