@@ -80,7 +80,7 @@ def patched(name, st):
         setattr_(_ssd_tiles.Decays, "diag_seg", diag_seg)
         setattr_(_ssd_tiles.Decays, "prefix_before", prefix_before)
     if "st-vec" in names:
-        setattr_(ssd, "chunk_vectors", lambda la, st_: (1.0 + 0.0 * la, 1.0 + 0.0 * la, 1.0 + 0.0 * jnp.sum(la)))
+        setattr_(_ssd_tiles, "chunk_vectors", lambda la, st_: (1.0 + 0.0 * la, 1.0 + 0.0 * la, 1.0 + 0.0 * jnp.sum(la)))
     if "st-nostore" in names:
         real_store_state, real_store = ssd.store_state, ssd.store
         setattr_(ssd, "store_state", lambda ref, row0, col0, val, st_, user=False: (

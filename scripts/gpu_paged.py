@@ -21,6 +21,7 @@ sync, ms per call, median of ``--reps``; latency = median single synchronised ca
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -134,6 +135,7 @@ def run_shape(shape, args, deadline: float):
     thr, lat = timed(contiguous, [s + (full,) for s in sets], calls=args.calls, reps=args.reps, singles=args.singles)
     record(shape, "contiguous", kv_bytes, thr, lat, 0.0)
 
+    base = decode_config(dim, dim, dtype, "NVIDIA H200" if args.tiny else None)   # what "contiguous" ran
     variants = [(name, ps, how) for name, ps, how in VARIANTS if how != "jax" or q_len == 1]
     if args.variants:
         variants = [v for v in variants if v[0] in args.variants.split(",")]
@@ -161,10 +163,7 @@ def run_shape(shape, args, deadline: float):
                 thr, lat = timed(fn, [s + (full,) for s in tsets], calls=args.calls, reps=args.reps,
                                  singles=args.singles)
             else:
-                cfg = None
-                if how:
-                    base = decode_config(dim, dim, dtype, "NVIDIA H200" if args.tiny else None)
-                    cfg = base.__class__(**{**base.__dict__, **how})
+                cfg = dataclasses.replace(base, **how) if how else None
 
                 def fn(q, kp, vp, table, lens, cfg=cfg):
                     return decode_attention_pallas(q, kp, vp, kv_lens=lens, block_table=table, config=cfg, **interp)
@@ -177,9 +176,7 @@ def run_shape(shape, args, deadline: float):
             err = rel(np.asarray(got, np.float32), np.asarray(want, np.float32))
             tol = TOL["jax"] if how == "jax" else TOL["block_kv" if how and "block_kv" in how else None]
             if how != "jax":    # another split count than the contiguous call (programs_per_sm): another sum order
-                base = decode_config(dim, dim, dtype, "NVIDIA H200" if args.tiny else None)
-                ran = (cfg or base).for_paged(page_size)
-                if ran.programs_per_sm != base.programs_per_sm:
+                if (cfg or base).for_paged(page_size).programs_per_sm != base.programs_per_sm:
                     tol = max(tol, TOL["splits"])
             record(shape, name, kv_bytes, thr, lat, err, page_size=page_size, config=how, ok=bool(err < tol))
         except Exception as exc:  # noqa: BLE001 (one failing variant must not lose the others)

@@ -10,6 +10,7 @@ waits for the host). Writes the summary as JSON.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import glob
 import gzip
 import json
@@ -73,7 +74,7 @@ def main():
     sets = [(rnd(10 * i + 1, (1, HQ, 1, D), jnp.bfloat16), rnd(10 * i + 2, (1, HKV, length, D), jnp.bfloat16),
              rnd(10 * i + 3, (1, HKV, length, D), jnp.bfloat16)) for i in range(3)]
     lens = jnp.full((1,), length, jnp.int32)
-    cfg = dataclasses_replace(decode_config(D, D, jnp.bfloat16, jax.devices()[0].device_kind))
+    cfg = dataclasses.replace(decode_config(D, D, jnp.bfloat16, jax.devices()[0].device_kind), merge_in_kernel_kb=0)
     variants = {
         "full": jax.jit(lambda q, k, v: flashlax.decode_attention(q, k, v, impl="pallas")),
         "kernel_only": jax.jit(lambda q, k, v: dk.kernel_outputs(q, k, v, lens, scale=D ** -0.5, num_splits=None,
@@ -96,11 +97,6 @@ def main():
             results[name] = summarize(device_events(tmp), args.calls)
         log(name, json.dumps(results[name])[:600])
     json.dump(results, open(args.out, "w"), indent=1)
-
-
-def dataclasses_replace(cfg):
-    import dataclasses
-    return dataclasses.replace(cfg, merge_in_kernel_kb=0)
 
 
 if __name__ == "__main__":

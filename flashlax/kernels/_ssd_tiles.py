@@ -370,6 +370,18 @@ def chunk_gamma(la, st: Static):
     return jnp.exp(jnp.sum(jnp.where(tri(st.chunk, "ge"), la[None, :], 0.0), axis=1))
 
 
+def chunk_keys(r, r0, la, st: Static, kcols, gamma: bool = False):
+    """(k_dec [C, dkp] mm dtype, chunk decay, gamma [C] or None) of the chunk at row ``r0`` for a sequential
+    pass: k_dec read as stored by the precompute (``r["kdec"]``, SSDConfig.kdec) or formed from ``r["k"]`` and
+    log_alpha ``la`` [C]; gamma only when asked (None otherwise)."""
+    if "kdec" in r:
+        return (load(r["kdec"], r0, st.chunk, 0, st.dkp, st), jnp.exp(jnp.sum(la)),
+                chunk_gamma(la, st) if gamma else None)
+    g, e_last, decay = chunk_vectors(la, st)
+    k_dec = mm(load(r["k"], r0, st.chunk, 0, st.dkp, st, kcols).astype(F32) * e_last[:, None], st)
+    return k_dec, decay, g if gamma else None
+
+
 def load_square(ref, row0, col0, st: Static, cols: int, rows: int | None = None):
     """[dkp (or rows), cols] tile of one of our per-chunk [N * dkp, width] arrays (chunk states, M, H, R)."""
     return plgpu.load(ref.at[ds(row0, st.dkp if rows is None else rows), ds(col0, cols)])

@@ -43,7 +43,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from flashlax.kernels._ssd_tiles import (F32, UT_BLOCK, Decays, Static, add_all, call, chunk_decays, chunk_delta,
-                                         chunk_rows, chunk_vectors, col_bound, dot, iota, load, load_square,
+                                         chunk_keys, chunk_rows, col_bound, dot, iota, load, load_square,
                                          load_vec, mat_spec,
                                          mm, named, p_blocks, per_chunk_arg, per_chunk_out, seq_arg, seq_out,
                                          sequential_program, state_block, store, store_state, ut_blocks, vec_spec)
@@ -146,13 +146,7 @@ def _state_kernel(*refs, names, st: Static):
             if st.has_beta:
                 return dot(mm(load_square(r["m"], row_m, 0, st, st.dkp), st), mm(s, st), st) + inc
             return jnp.exp(jnp.sum(load_vec(r["la"], r0, c, st))) * s + inc
-        la = load_vec(r["la"], r0, c, st)
-        if "kdec" in r:     # k decayed to the chunk end, stored by the precompute
-            decay = jnp.exp(jnp.sum(la))
-            k_dec = load(r["kdec"], r0, c, 0, st.dkp, st)
-        else:
-            _, e_last, decay = chunk_vectors(la, st)
-            k_dec = mm(load(r["k"], r0, c, 0, st.dkp, st, kcols).astype(F32) * e_last[:, None], st)
+        k_dec, decay, _ = chunk_keys(r, r0, load_vec(r["la"], r0, c, st), st, kcols)
         if st.has_beta:
             w = load(r["w"], r0, c, 0, st.dkp, st)
             d = load(r["u"], r0, c, col0, bv, st).astype(F32) - dot(w, mm(s, st), st)

@@ -31,8 +31,7 @@ from jax.experimental import pallas as pl
 
 from flashlax.kernels import ssd
 from flashlax.kernels._ssd_tiles import (F32, Static, add_all, call, chunk_decays, chunk_delta, chunk_rows,
-                                         chunk_gamma, chunk_vectors, col_bound, dot, load, load_square, load_vec,
-                                         mat_spec, mm,
+                                         chunk_keys, col_bound, dot, load, load_square, load_vec, mat_spec, mm,
                                          named, p_blocks, per_chunk_arg, per_chunk_out, seq_arg, seq_out,
                                          sequential_program, state_block, store, store_state, store_vec,
                                          vec_out, vec_spec)
@@ -86,13 +85,7 @@ def _reverse_kernel(*refs, names, st: Static):
             if st.has_beta:
                 return dot(mm(load_square(r["m"], row_m, 0, st, st.dkp), st), mm(adj, st), st, ta=True) + rinc
             return jnp.exp(jnp.sum(load_vec(r["la"], r0, c, st))) * adj + rinc
-        la = load_vec(r["la"], r0, c, st)
-        if "kdec" in r:     # k decayed to the chunk end, stored by the precompute (SSDConfig.kdec)
-            decay = jnp.exp(jnp.sum(la))
-            k_dec = load(r["kdec"], r0, c, 0, st.dkp, st)
-        else:
-            gamma, e_last, decay = chunk_vectors(la, st)
-            k_dec = mm(load(r["k"], r0, c, 0, st.dkp, st, kcols).astype(F32) * e_last[:, None], st)
+        k_dec, decay, gamma = chunk_keys(r, r0, load_vec(r["la"], r0, c, st), st, kcols, gamma="rinc" not in r)
         if "rinc" in r:
             x = dot(k_dec, mm(adj, st), st)
             store(r["dd"], r0, col0, load(r["ddl"], r0, c, col0, bv, st) + x, st)
@@ -100,8 +93,6 @@ def _reverse_kernel(*refs, names, st: Static):
                     - dot(load(r["w"], r0, c, 0, st.dkp, st), mm(x, st), st, ta=True))
         dd = load(r["ddl"], r0, c, col0, bv, st) + dot(k_dec, mm(adj, st), st)
         store(r["dd"], r0, col0, dd, st, None if st.has_beta else vcols)
-        if "kdec" in r:
-            gamma = chunk_gamma(la, st)
         q_g = mm((st.scale * gamma)[:, None] * load(r["q"], r0, c, 0, st.dkp, st, kcols).astype(F32), st)
         adj = decay * adj + dot(q_g, load(r["do"], r0, c, col0, bv, st, vcols), st, ta=True)
         if st.has_beta:
