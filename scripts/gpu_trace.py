@@ -2,7 +2,8 @@
 back to back (one sync) of the shipped decode op, the kernel alone and jax xla's GQA attention, and reads the
 Perfetto trace it writes: per kernel name the count and mean duration on the GPU, and per variant the span of
 the queued calls on the GPU, the summed kernel time and the summed idle gaps between kernels (what the GPU
-waits for the host). Writes the summary as JSON.
+waits for the host); and the host side's events (XLA thunks, CUDA API calls) per call, to find which step of
+the decode launch costs the ~11 us more host time than a trivial Pallas kernel. Writes the summary as JSON.
 
   PYTHONPATH=$PWD python3 scripts/gpu_trace.py --out $OUT/trace.json
 """
@@ -15,11 +16,14 @@ import glob
 import gzip
 import json
 import os
+import re
 import statistics
 import tempfile
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 import flashlax
 from flashlax.kernels import decode as dk
@@ -29,18 +33,44 @@ from _gpu_common import log, rnd
 HQ, HKV, D = 32, 8, 128
 
 
-def device_events(trace_dir):
-    """Complete events ("ph": "X") of the trace's GPU tracks: [(name, ts_us, dur_us)] sorted by start."""
+def load_events(trace_dir):
     paths = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
     if not paths:
         return []
     with gzip.open(paths[0]) as f:
         trace = json.load(f)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
-                and any(s in str(e.get("args", {}).get("name", "")) for s in ("/device:GPU", "GPU"))}
+    return trace["traceEvents"] if isinstance(trace, dict) else trace
+
+
+def gpu_pids(events):
+    return {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+            and any(s in str(e.get("args", {}).get("name", "")) for s in ("/device:GPU", "GPU"))}
+
+
+def host_summary(events, calls, top=25):
+    """Host-side complete events (XLA thunks, PjRt execute, CUDA API calls such as cuLaunchKernel) grouped by
+    name: count and mean / total microseconds per queued call, the `top` by total. Where the host time of one
+    call goes, event by event (nested events overlap: read them as a tree, not a sum)."""
+    if not events:
+        return {}
+    gp = gpu_pids(events)
+    by = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") not in gp:
+            name = re.sub(r"[0-9]+", "#", str(e.get("name")))[:80]
+            by.setdefault(name, []).append(float(e.get("dur", 0.0)))
+    rows = sorted(((n, len(d), statistics.mean(d), sum(d) / calls) for n, d in by.items() if len(d) >= calls // 2),
+                  key=lambda r: -r[3])[:top]
+    return {n: {"count": c, "mean_us": round(m, 2), "us_per_call": round(t, 2)} for n, c, m, t in rows}
+
+
+def device_events(events):
+    """Complete events ("ph": "X") of the trace's GPU tracks: [(name, ts_us, dur_us)] sorted by start."""
+    if not events:
+        return []
+    gp = gpu_pids(events)
     out = [(e["name"], float(e["ts"]), float(e.get("dur", 0.0))) for e in events
-           if e.get("ph") == "X" and e.get("pid") in gpu_pids]
+           if e.get("ph") == "X" and e.get("pid") in gp]
     if not out:   # for the log: which tracks there were
         return {"error": "no GPU events", "processes": sorted({str(e.get("args", {}).get("name")) for e in events
                                                                 if e.get("name") == "process_name"})}
@@ -64,6 +94,16 @@ def summarize(events, calls):
             "kernels": {n: {"count": len(d), "mean_us": statistics.mean(d)} for n, d in by_name.items()}}
 
 
+def trivial(q):
+    """A one-program Pallas kernel on q (the host cost of a Pallas launch as such)."""
+    def kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...] + 1.0
+
+    x = q.reshape(-1).astype(jnp.float32)
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, jnp.float32),
+                          compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1), name="trivial")(x)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="trace.json")
@@ -82,6 +122,7 @@ def main():
         "jax_xla_gqa": jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
             q.swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2), implementation="xla")),
         "empty_jit": jax.jit(lambda q, k, v: q + 1),
+        "pallas_trivial": jax.jit(lambda q, k, v: trivial(q)),
     }
     results = {}
     for name, fn in variants.items():
@@ -94,8 +135,10 @@ def main():
                 for i in range(args.calls):
                     out = fn(*sets[i % len(sets)])
                 jax.block_until_ready(out)
-            results[name] = summarize(device_events(tmp), args.calls)
-        log(name, json.dumps(results[name])[:600])
+            events = load_events(tmp)
+            results[name] = summarize(device_events(events), args.calls)
+            results[name]["host"] = host_summary(events, args.calls)
+        log(name, json.dumps(results[name])[:3000])
     json.dump(results, open(args.out, "w"), indent=1)
 
 
