@@ -37,6 +37,29 @@ def trivial(programs: int, warps: int = 4):
     return jax.jit(call), (jnp.ones((n,), jnp.float32),)
 
 
+def trivial_like_decode(q, k, v, splits=16, rows=16):
+    """A trivial Pallas kernel with the decode kernel's operands and outputs (q, k, v in; [B, Hkv, splits, rows,
+    D] and [B, Hkv, splits, rows] float32 out) and its (splits, Hkv) grid, each program reading one 16-row
+    tile of k: what the launch costs on the host when the kernel body costs nothing."""
+    b, hkv, _, d = k.shape
+
+    def kernel(q_ref, k_ref, v_ref, o_ref, l_ref):
+        x = k_ref[0, 0, pl.ds(0, rows), :].astype(jnp.float32)
+        o_ref[0, 0, 0, :, :] = x
+        l_ref[0, 0, 0, :] = jnp.sum(x, axis=1)
+
+    full = lambda shape: pl.BlockSpec(shape, lambda s, h: (0,) * len(shape))
+    return pl.pallas_call(
+        kernel, grid=(splits, hkv),
+        out_shape=(jax.ShapeDtypeStruct((b, hkv, splits, rows, d), jnp.float32),
+                   jax.ShapeDtypeStruct((b, hkv, splits, rows), jnp.float32)),
+        in_specs=[full(q.shape), pl.BlockSpec((1, 1, k.shape[2], d), lambda s, h: (0, h, 0, 0)),
+                  pl.BlockSpec((1, 1, v.shape[2], d), lambda s, h: (0, h, 0, 0))],
+        out_specs=(pl.BlockSpec((1, 1, 1, rows, d), lambda s, h: (0, h, s, 0, 0)),
+                   pl.BlockSpec((1, 1, 1, rows), lambda s, h: (0, h, s, 0))),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1), name="trivial_like_decode")(q, k, v)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="dispatch.json")
@@ -48,7 +71,11 @@ def main():
     variants = {"empty_jit": (jax.jit(lambda x: x + 1), (jnp.ones((128,), jnp.float32),)),
                 "xla_5_fusions": (jax.jit(lambda x: jnp.sin(jnp.cumsum(jnp.exp(x) @ x.T, 0)).sum(1) / x.sum()),
                                   (jnp.ones((64, 64), jnp.float32),)),
-                "pallas_trivial_1": trivial(1), "pallas_trivial_128": trivial(128)}
+                "pallas_trivial_1": trivial(1), "pallas_trivial_128": trivial(128),
+                "pallas_trivial_decode_io": (jax.jit(trivial_like_decode), (q, k, v)),
+                "pallas_trivial_decode_io_1out": (jax.jit(lambda q, k, v: trivial_like_decode(q, k, v)[0]), (q, k, v)),
+                "xla_3in_2out": (jax.jit(lambda q, k, v: (k[0, :, :16].astype(jnp.float32) + q[0, :8, :1],
+                                                          v[0, :, :16, 0].astype(jnp.float32))), (q, k, v))}
     for spec in ("64/4/4", "64/4/2", "32/4/2", "16/4/2", "16/4/1"):
         bkv, warps, stages = map(int, spec.split("/"))
         c = dataclasses.replace(cfg, block_kv=bkv, num_warps=warps, num_stages=stages)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: the gpu-marked tests and the benchmark suites on the GPU, in the order given as arguments
-# (default: tests decode linear quick; also: prefill4k, prefill16k, dims, paged, shardmap, decode_diag, linear_ab, ssd, trace, trace_nocb, ssd_ab), each step time-boxed
+# (default: tests decode linear quick; also: prefill4k, prefill16k, dims, paged, shardmap, decode_diag, linear_ab, ssd, trace, trace_nocb, dispatch, ssd_ab), each step time-boxed
 # (T_<STEP> seconds; TEST_K: a pytest -k filter for the tests step), every log and JSON written under $OUT as it goes, so a cut-off run keeps what finished.
 set -u
 export PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
@@ -40,6 +40,7 @@ for s in $steps; do
     trace) step "${T_TRACE:-90}" trace python3 scripts/gpu_trace.py --out "$OUT/trace.json" ;;
     trace_nocb) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" step "${T_TRACE:-90}" trace_nocb \
                   python3 scripts/gpu_trace.py --out "$OUT/trace_nocb.json" ;;  # XLA's CUDA graphs off
+    dispatch) step "${T_DISPATCH:-90}" dispatch python3 scripts/gpu_dispatch.py --out "$OUT/dispatch.json" ;;
     ssd_ab) step "${T_SSD_AB:-150}" ssd_ab python3 scripts/gpu_ssd_ab.py --out "$OUT/ssd_ab.json" \
               --shapes "${SSD_AB_SHAPES:-bf16_128}" --variants "${SSD_AB_VARIANTS:-shipped,pw4}" ${SSD_AB_FLAGS:---no-bwd} ;;
     paged) step "${T_PAGED:-100}" paged python3 scripts/gpu_paged.py --out "$OUT/paged.json" ;;
