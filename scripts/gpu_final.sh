@@ -42,7 +42,7 @@ for s in $steps; do
                   python3 scripts/gpu_trace.py --out "$OUT/trace_nocb.json" ;;  # XLA's CUDA graphs off
     dispatch) step "${T_DISPATCH:-90}" dispatch python3 scripts/gpu_dispatch.py --out "$OUT/dispatch.json" ;;
     ssd_ab) step "${T_SSD_AB:-150}" ssd_ab python3 scripts/gpu_ssd_ab.py --out "$OUT/ssd_ab.json" \
-              --shapes "${SSD_AB_SHAPES:-bf16_128}" --variants "${SSD_AB_VARIANTS:-shipped,pw4}" ${SSD_AB_FLAGS:---no-bwd} ;;
+              --shapes "${SSD_AB_SHAPES:-bf16_128}" --variants "${SSD_AB_VARIANTS:-shipped,subst,pw4,subst pw4}" ${SSD_AB_FLAGS:---no-bwd} ;;
     paged) step "${T_PAGED:-100}" paged python3 scripts/gpu_paged.py --out "$OUT/paged.json" ;;
     ssd) step "${T_SSD:-300}" ssd python3 scripts/gpu_ssd.py --out "$OUT" --steps "${SSD_STEPS:-check,kernels,variants}" \
            --deadline "${SSD_DEADLINE:-240}" ;;

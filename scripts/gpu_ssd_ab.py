@@ -30,7 +30,9 @@ SHAPES = {"bf16_128": ((2, 16, 8192, 128), jnp.bfloat16), "f32_128": ((2, 8, 819
 VARIANTS = {"shipped": {}, "kdec": dict(kdec=True), "s3": dict(state_stages=3),
             "kdec s3": dict(kdec=True, state_stages=3), "nokdec": dict(kdec=False),
             "pw4": dict(warps=(("wy", 4), ("dqk", 4), ("out", 4), ("precompute", 4))),
-            "out w8": dict(warps=(("wy", 4), ("dqk", 4), ("precompute", 2)))}
+            "out w8": dict(warps=(("wy", 4), ("dqk", 4), ("precompute", 2))),
+            "subst": dict(ut_subst=True),
+            "subst pw4": dict(ut_subst=True, warps=(("wy", 4), ("dqk", 4), ("out", 4), ("precompute", 4)))}
 
 
 def main():

@@ -342,6 +342,37 @@ def test_stored_kdec_matches(with_beta, rinc, dtype):
     assert_close(errors(fn, inputs, seed=13), TOLERANCES["float32"] if dtype == "float32" else LOW_PRECISION_TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_ut_substitution_matches(dtype):
+    """SSDConfig.ut_subst: the forward's precompute solves for w and u by block forward substitution over
+    T's 16 x 16 diagonal blocks instead of forming T below the diagonal. Chunks of 64 (four sub-blocks, the
+    longest chain), a partial last chunk, beta up to 2, an initial state: w and u equal the
+    full-T precompute's (float32: 1e-5; bfloat16: within its rounding), and the op's output, final state and
+    every gradient match the float64 recurrence, in bfloat16 no worse than twice the full-T path's error. Weak
+    decays, so the blocks below the diagonal of A matter."""
+    base = dataclasses.replace(ssd_config(24, 16, jnp.dtype(dtype), "cpu"), kdec=True, transition=False)
+    cfg = dataclasses.replace(base, ut_subst=True)
+    inputs = make_inputs(17, 1, 2, 150, 24, 16, dtype=jnp.dtype(dtype), la_lo=-0.2, with_state=True,
+                         beta_range=(0.0, 2.0))
+    la = inputs["log_alpha"].astype(jnp.float32)
+    pre = {}
+    for name, c in (("full", base), ("subst", cfg)):
+        st = ssd_module.make_static(inputs["q"], inputs["k"], inputs["v"], inputs["beta"], scale=1.0,
+                                    chunk_size=64, interpret=True, config=c, device_kind="cpu")
+        pre[name] = ssd_module.precompute_call(st, inputs["k"], inputs["v"], la, inputs["beta"])
+    for key in ("w", "u"):
+        got, want = (np.asarray(pre[n][key].astype(jnp.float32), np.float64)[..., :150, :] for n in ("subst", "full"))
+        assert np.all(np.isfinite(got))
+        assert rel_err(got, want) < (1e-5 if dtype == "float32" else 1e-2), key
+    errs = errors(ssd(64, scale=24 ** -0.5, config=cfg), inputs, seed=17)
+    if dtype == "float32":
+        assert_close(errs, TOLERANCES["float32"])
+    else:
+        ref = errors(ssd(64, scale=24 ** -0.5, config=base), inputs, seed=17)
+        assert_close(errs, LOW_PRECISION_TOL[dtype])
+        assert errs["o"] <= 2 * ref["o"] + 1e-4, (errs, ref)
+
+
 def test_small_f32_dot_lowers_and_matches():
     """small_f32_dot (the UT transform's 16 x 16 x 16 float32 products through f32_dot as well, a candidate
     for the float32 backward): forward and backward go through the Pallas Triton lowering for an abstract

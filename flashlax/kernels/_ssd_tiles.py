@@ -302,13 +302,12 @@ def chunk_decays(ref, rows, sb: int, st: Static) -> Decays:
 # The UT transform of one chunk, by 16 x 16 blocks
 # ----------------------------------------------------------------------------------------------------
 
-def ut_blocks(k, beta, dec: Decays, st: Static):
-    """T = (I + A)^-1 of one chunk with A = strictly_lower(diag(beta) K K^T * G), by 16 x 16 blocks.
+def ut_diagonal(k, beta, dec: Decays, st: Static):
+    """The pieces of T = (I + A)^-1 of one chunk, A = strictly_lower(diag(beta) K K^T * G), by 16 x 16 blocks.
 
-    k: list of [16, dk] blocks (input dtype), beta: list of float32 [16]. Returns (T, KK, G_strict):
-    dicts over block pairs (i, j), j <= i, of float32 [16, 16]. A diagonal block a is nilpotent (a^16 = 0),
-    so (I + a)^-1 = (I - a)(I + a^2)(I + a^4)(I + a^8): six 16 x 16 products. Below the diagonal, block
-    forward substitution: T_ij = -T_ii sum_{j <= m < i} A_im T_mj.
+    k: list of [16, dk] blocks (input dtype), beta: list of float32 [16]. Returns (A, KK, G_strict, inv):
+    dicts over block pairs (i, j), j <= i, of float32 [16, 16], and inv[i] = (I + A_ii)^-1. A diagonal block a
+    is nilpotent (a^16 = 0), so (I + a)^-1 = (I - a)(I + a^2)(I + a^4)(I + a^8): six 16 x 16 products.
     """
     nb = len(k)
     kk, g_strict, a = {}, {}, {}
@@ -318,17 +317,39 @@ def ut_blocks(k, beta, dec: Decays, st: Static):
             g_strict[i, j] = dec.G(i, j, strict=True)
             a[i, j] = beta[i][:, None] * kk[i, j] * g_strict[i, j]
     eye = jnp.where(iota((UT_BLOCK, UT_BLOCK), 0) == iota((UT_BLOCK, UT_BLOCK), 1), 1.0, 0.0)
-    t = {}
+    inv = []
     for i in range(nb):
         x = a[i, i]
         x2 = dot(x, x, st)
         x4 = dot(x2, x2, st)
         x8 = dot(x4, x4, st)
-        inv = dot(dot(dot(eye - x, eye + x2, st), eye + x4, st), eye + x8, st)
-        t[i, i] = inv
+        inv.append(dot(dot(dot(eye - x, eye + x2, st), eye + x4, st), eye + x8, st))
+    return a, kk, g_strict, inv
+
+
+def ut_blocks(k, beta, dec: Decays, st: Static):
+    """T = (I + A)^-1 of one chunk by 16 x 16 blocks (see :func:`ut_diagonal`): the diagonal blocks in closed
+    form, below the diagonal block forward substitution T_ij = -T_ii sum_{j <= m < i} A_im T_mj. Returns (T,
+    KK, G_strict): dicts over block pairs (i, j), j <= i, of float32 [16, 16]."""
+    a, kk, g_strict, inv = ut_diagonal(k, beta, dec, st)
+    t = {}
+    for i in range(len(k)):
+        t[i, i] = inv[i]
         for j in range(i):
-            t[i, j] = -dot(inv, add_all(dot(a[i, m], t[m, j], st) for m in range(j, i)), st)
+            t[i, j] = -dot(inv[i], add_all(dot(a[i, m], t[m, j], st) for m in range(j, i)), st)
     return t, kk, g_strict
+
+
+def ut_solve(a_mm, inv_mm, rhs, st: Static):
+    """X = (I + A)^-1 rhs by block forward substitution, X_i = T_ii (rhs_i - sum_{j<i} A_ij X_j): rhs a list of
+    float32 [16, cols] blocks; a_mm / inv_mm the blocks below the diagonal of A and T's diagonal blocks as
+    product operands (:func:`mm`). Returns the float32 blocks of X."""
+    out = []
+    for i, x in enumerate(rhs):
+        if i:
+            x = x - add_all(dot(a_mm[i, j], mm(out[j], st), st) for j in range(i))
+        out.append(dot(inv_mm[i], mm(x, st), st))
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------

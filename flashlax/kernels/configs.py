@@ -408,7 +408,11 @@ class SSDConfig:
     sub-blocks, instead of inside the precompute's 16 x 16 UT structure. ``kdec`` (two-product form with
     beta): the precompute also stores k_dec, each key decayed to its chunk's end ([B, H, T, dk], input
     dtype, from the same segment sums as every other decay), and the sequential state pass reads it instead
-    of k, so it no longer forms the decay vectors from log_alpha in every step of its chain.
+    of k, so it no longer forms the decay vectors from log_alpha in every step of its chain. ``ut_subst``
+    (two-product form with beta, forward): the forward's precompute forms only T's 16 x 16 diagonal blocks
+    and solves (I + A) w = beta gamma k and (I + A) u = beta v by block forward substitution, w_i = T_ii
+    (x_i - sum_{j<i} A_ij w_j), instead of forming T's blocks below the diagonal first (the backward's
+    precompute, which stores T, always forms all of it).
     """
 
     block: int = 16
@@ -427,6 +431,7 @@ class SSDConfig:
     reverse_rinc: bool = False
     mh_kernel: bool = False
     kdec: bool = False
+    ut_subst: bool = False
 
     def __post_init__(self):
         for name in ("block", "block_v", "state_block_v", "max_chunk", "dqk_block_k"):
@@ -442,7 +447,7 @@ class SSDConfig:
             raise ValueError(f"SSDConfig: state_stages must be a positive int, got {self.state_stages!r}")
         if self.f32_dot not in ("ieee", "tf32x3"):
             raise ValueError(f"SSDConfig: f32_dot must be 'ieee' or 'tf32x3', got {self.f32_dot!r}")
-        for name in ("reverse_rinc", "mh_kernel", "kdec"):
+        for name in ("reverse_rinc", "mh_kernel", "kdec", "ut_subst"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SSDConfig: {name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.small_f32_dot, bool):

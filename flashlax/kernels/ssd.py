@@ -46,7 +46,8 @@ from flashlax.kernels._ssd_tiles import (F32, UT_BLOCK, Decays, Static, add_all,
                                          chunk_keys, chunk_rows, col_bound, dot, iota, load, load_square,
                                          load_vec, mat_spec,
                                          mm, named, p_blocks, per_chunk_arg, per_chunk_out, seq_arg, seq_out,
-                                         sequential_program, state_block, store, store_state, ut_blocks, vec_spec)
+                                         sequential_program, state_block, store, store_state, ut_blocks, ut_diagonal,
+                                         ut_solve, vec_spec)
 from flashlax._precision import uses_tf32
 from flashlax.kernels.configs import SSDConfig, check_ssd_config, ssd_config
 from flashlax.parallel.vma import cotangent_like, match_vma
@@ -69,7 +70,16 @@ def _precompute_kernel(*refs, names, st: Static):
         if "kdec" in r:
             for i in range(nb):
                 store(r["kdec"], rows[i], 0, k_dec[i], st)
-    if st.has_beta:
+    subst = st.has_beta and st.config.ut_subst and not st.transition and "t" not in r
+    if subst:         # T's diagonal blocks only; w and u by block forward substitution (SSDConfig.ut_subst)
+        beta = [load_vec(r["beta"], row, sb, st) for row in rows]
+        a, _, _, inv = ut_diagonal(k, beta, dec, st)
+        a = {(i, j): mm(a[i, j], st) for i in range(nb) for j in range(i)}
+        inv = [mm(x, st) for x in inv]
+        w = ut_solve(a, inv, [(beta[j] * dec.gamma(j))[:, None] * k[j].astype(F32) for j in range(nb)], st)
+        for i in range(nb):
+            store(r["w"], rows[i], 0, w[i], st)
+    elif st.has_beta:
         beta = [load_vec(r["beta"], row, sb, st) for row in rows]
         t, _, _ = ut_blocks(k, beta, dec, st)
         t = {key: mm(x, st) for key, x in t.items()}
@@ -87,7 +97,11 @@ def _precompute_kernel(*refs, names, st: Static):
     bv = st.block_v()
     for c0 in range(0, st.dvp, bv):
         x = [load(r["v"], row, sb, c0, bv, st, col_bound(st.dv, st.dvp)).astype(F32) for row in rows]
-        if st.has_beta:
+        if subst:
+            x = ut_solve(a, inv, [beta[j][:, None] * x[j] for j in range(nb)], st)     # u
+            for i in range(nb):
+                store(r["u"], rows[i], c0, x[i], st)
+        elif st.has_beta:
             vb = [mm(beta[j][:, None] * x[j], st) for j in range(nb)]
             x = [add_all(dot(t[i, j], vb[j], st) for j in range(i + 1)) for i in range(nb)]     # u
             for i in range(nb):
