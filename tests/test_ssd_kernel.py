@@ -367,6 +367,8 @@ def test_ut_substitution_matches(dtype):
     errs = errors(ssd(64, scale=24 ** -0.5, config=cfg), inputs, seed=17)
     if dtype == "float32":
         assert_close(errs, TOLERANCES["float32"])
+        with jax.enable_x64():     # index arithmetic and the float32 kernels under x64
+            assert_close(errors(ssd(64, scale=24 ** -0.5, config=cfg), inputs, seed=17), TOLERANCES["float32"])
     else:
         ref = errors(ssd(64, scale=24 ** -0.5, config=base), inputs, seed=17)
         assert_close(errs, LOW_PRECISION_TOL[dtype])

@@ -340,6 +340,13 @@ def ut_blocks(k, beta, dec: Decays, st: Static):
     return t, kk, g_strict
 
 
+def ut_apply(t_mm, rhs, st: Static):
+    """X = T rhs from T's blocks on and below the diagonal as product operands (:func:`mm`): rhs a list of
+    float32 [16, cols] blocks. Returns the float32 blocks of X."""
+    rhs = [mm(x, st) for x in rhs]
+    return [add_all(dot(t_mm[i, j], rhs[j], st) for j in range(i + 1)) for i in range(len(rhs))]
+
+
 def ut_solve(a_mm, inv_mm, rhs, st: Static):
     """X = (I + A)^-1 rhs by block forward substitution, X_i = T_ii (rhs_i - sum_{j<i} A_ij X_j): rhs a list of
     float32 [16, cols] blocks; a_mm / inv_mm the blocks below the diagonal of A and T's diagonal blocks as

@@ -46,8 +46,8 @@ from flashlax.kernels._ssd_tiles import (F32, UT_BLOCK, Decays, Static, add_all,
                                          chunk_keys, chunk_rows, col_bound, dot, iota, load, load_square,
                                          load_vec, mat_spec,
                                          mm, named, p_blocks, per_chunk_arg, per_chunk_out, seq_arg, seq_out,
-                                         sequential_program, state_block, store, store_state, ut_blocks, ut_diagonal,
-                                         ut_solve, vec_spec)
+                                         sequential_program, state_block, store, store_state, ut_apply, ut_blocks,
+                                         ut_diagonal, ut_solve, vec_spec)
 from flashlax._precision import uses_tf32
 from flashlax.kernels.configs import SSDConfig, check_ssd_config, ssd_config
 from flashlax.parallel.vma import cotangent_like, match_vma
@@ -70,26 +70,23 @@ def _precompute_kernel(*refs, names, st: Static):
         if "kdec" in r:
             for i in range(nb):
                 store(r["kdec"], rows[i], 0, k_dec[i], st)
-    subst = st.has_beta and st.config.ut_subst and not st.transition and "t" not in r
-    if subst:         # T's diagonal blocks only; w and u by block forward substitution (SSDConfig.ut_subst)
+    if st.has_beta:
         beta = [load_vec(r["beta"], row, sb, st) for row in rows]
-        a, _, _, inv = ut_diagonal(k, beta, dec, st)
-        a = {(i, j): mm(a[i, j], st) for i in range(nb) for j in range(i)}
-        inv = [mm(x, st) for x in inv]
-        w = ut_solve(a, inv, [(beta[j] * dec.gamma(j))[:, None] * k[j].astype(F32) for j in range(nb)], st)
-        for i in range(nb):
-            store(r["w"], rows[i], 0, w[i], st)
-    elif st.has_beta:
-        beta = [load_vec(r["beta"], row, sb, st) for row in rows]
-        t, _, _ = ut_blocks(k, beta, dec, st)
-        t = {key: mm(x, st) for key, x in t.items()}
-        if "t" in r:      # every block, the zero ones above the diagonal too (read as whole tiles)
-            zero = jnp.zeros((sb, sb), F32)
-            for i in range(nb):
-                for j in range(nb):
-                    store(r["t"], rows[i], j * sb, t[i, j] if j <= i else zero, st)
-        kb = [mm((beta[j] * dec.gamma(j))[:, None] * k[j].astype(F32), st) for j in range(nb)]
-        w = [add_all(dot(t[i, j], kb[j], st) for j in range(i + 1)) for i in range(nb)]
+        if st.config.ut_subst and not st.transition and "t" not in r:
+            # SSDConfig.ut_subst: T's diagonal blocks only, w and u by block forward substitution
+            a, _, _, inv = ut_diagonal(k, beta, dec, st)
+            a = {(i, j): mm(a[i, j], st) for i in range(nb) for j in range(i)}
+            solve = functools.partial(ut_solve, a, [mm(x, st) for x in inv], st=st)
+        else:
+            t, _, _ = ut_blocks(k, beta, dec, st)
+            t = {key: mm(x, st) for key, x in t.items()}
+            if "t" in r:      # every block, the zero ones above the diagonal too (read as whole tiles)
+                zero = jnp.zeros((sb, sb), F32)
+                for i in range(nb):
+                    for j in range(nb):
+                        store(r["t"], rows[i], j * sb, t[i, j] if j <= i else zero, st)
+            solve = functools.partial(ut_apply, t, st=st)
+        w = solve([(beta[j] * dec.gamma(j))[:, None] * k[j].astype(F32) for j in range(nb)])
         for i in range(nb):
             store(r["w"], rows[i], 0, w[i], st)
         if "m" in r:
@@ -97,13 +94,8 @@ def _precompute_kernel(*refs, names, st: Static):
     bv = st.block_v()
     for c0 in range(0, st.dvp, bv):
         x = [load(r["v"], row, sb, c0, bv, st, col_bound(st.dv, st.dvp)).astype(F32) for row in rows]
-        if subst:
-            x = ut_solve(a, inv, [beta[j][:, None] * x[j] for j in range(nb)], st)     # u
-            for i in range(nb):
-                store(r["u"], rows[i], c0, x[i], st)
-        elif st.has_beta:
-            vb = [mm(beta[j][:, None] * x[j], st) for j in range(nb)]
-            x = [add_all(dot(t[i, j], vb[j], st) for j in range(i + 1)) for i in range(nb)]     # u
+        if st.has_beta:
+            x = solve([beta[j][:, None] * x[j] for j in range(nb)])     # u
             for i in range(nb):
                 store(r["u"], rows[i], c0, x[i], st)
         if "inc" in r:
