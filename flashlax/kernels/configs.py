@@ -516,6 +516,8 @@ SSD_CONFIGS: dict[str, dict[tuple[int, str], SSDConfig]] = {
         # bf16 dk256's output and state kernels at 4 warps (B2 H8 T4096: 0.322 vs 0.500, 0.404 vs 0.651 ms; dqk
         # 7.65 at 4 vs 6.00). Session 16: bf16 dk128 with the stored k_dec (kdec): state 0.395 -> 0.251 ms,
         # precompute 0.266 -> 0.309, forward 0.812 -> 0.709, fwd+bwd 4.03 -> 3.86 (3 stages: the same).
+        # Session 18: bf16 dk128's forward precompute by block forward substitution (ut_subst): precompute
+        # 0.312 -> 0.274 ms, forward 0.747 -> 0.703 in one process (gpu_ssd_ab.py; at 4 warps 0.343 / 0.760).
         (64, "32"): SSDConfig(block=64, block_v=64, state_block_v=16, state_stages=3, f32_dot="tf32x3",
                               transition=True, mh_kernel=True, blocks=(("wy", 16),)),
         (128, "32"): SSDConfig(block=64, block_v=64, num_warps=8, state_block_v=16, state_stages=2,
@@ -526,7 +528,8 @@ SSD_CONFIGS: dict[str, dict[tuple[int, str], SSDConfig]] = {
                               transition=True),
         (128, "16"): SSDConfig(block=64, block_v=64, num_warps=8, state_block_v=32, state_stages=2,
                                f32_dot="tf32x3", blocks=(("wy", 16),), dqk_block_k=64,
-                               warps=(("wy", 4), ("dqk", 4), ("out", 4), ("precompute", 2)), kdec=True),
+                               warps=(("wy", 4), ("dqk", 4), ("out", 4), ("precompute", 2)), kdec=True,
+                               ut_subst=True),
         (256, "16"): SSDConfig(block=16, block_v=32, num_warps=8, state_block_v=16, state_warps=8,
                                state_stages=1, max_chunk=64, f32_dot="tf32x3", warps=(("out", 4), ("state", 4))),
     },
