@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: the gpu-marked tests and the benchmark suites on the GPU, in the order given as arguments
-# (default: tests decode linear quick; also: prefill4k, prefill16k, dims, paged, shardmap, decode_diag, linear_ab, ssd, trace, trace_nocb, dispatch, ssd_ab, linear_bf16; PAGED_ARGS: extra gpu_paged.py flags), each step time-boxed
+# (default: tests decode linear quick; also: prefill4k, prefill16k, dims, paged, shardmap, decode_diag, linear_ab, ssd, trace, trace_nocb, dispatch, ssd_ab, linear_bf16; PAGED_ARGS: extra gpu_paged.py flags, PAGED_VARIANTS: its --variants), each step time-boxed
 # (T_<STEP> seconds; TEST_K: a pytest -k filter for the tests step), every log and JSON written under $OUT as it goes, so a cut-off run keeps what finished.
 set -u
 export PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
@@ -43,7 +43,8 @@ for s in $steps; do
     dispatch) step "${T_DISPATCH:-90}" dispatch python3 scripts/gpu_dispatch.py --out "$OUT/dispatch.json" ;;
     ssd_ab) step "${T_SSD_AB:-150}" ssd_ab python3 scripts/gpu_ssd_ab.py --out "$OUT/ssd_ab.json" \
               --shapes "${SSD_AB_SHAPES:-bf16_128}" --variants "${SSD_AB_VARIANTS:-shipped,subst,pw4,subst pw4}" ${SSD_AB_FLAGS:---no-bwd} ;;
-    paged) step "${T_PAGED:-100}" paged python3 scripts/gpu_paged.py --out "$OUT/paged.json" ${PAGED_ARGS:-} ;;
+    paged) step "${T_PAGED:-100}" paged python3 scripts/gpu_paged.py --out "$OUT/paged.json" ${PAGED_ARGS:-} \
+             ${PAGED_VARIANTS:+--variants "$PAGED_VARIANTS"} ;;
     linear_bf16)  # issue 15's bf16 shape: B2 H16 T8192 dk=dv=128, ssd (and LIN_BF16_IMPLS) fwd and fwd+bwd
       step "${T_LINEAR_BF16:-120}" linear_bf16 python3 -m flashlax.bench --suite linear --device gpu --batch 2 \
         --heads 16 --lengths 8192 --dims 128 --dtypes bfloat16 --impls ${LIN_BF16_IMPLS:-ssd} --repeats 5 \

@@ -31,7 +31,10 @@ VARIANTS = {"shipped": {}, "kdec": dict(kdec=True), "s3": dict(state_stages=3),
             "kdec s3": dict(kdec=True, state_stages=3), "nokdec": dict(kdec=False),
             "pw4": dict(warps=(("wy", 4), ("dqk", 4), ("out", 4), ("precompute", 4))),
             "out w8": dict(warps=(("wy", 4), ("dqk", 4), ("precompute", 2))),
-            "subst": dict(ut_subst=True),
+            "subst": dict(ut_subst=True), "nosubst": dict(ut_subst=False),
+            "fuse": dict(fuse_out=True), "nofuse": dict(fuse_out=False),
+            "fuse s3": dict(fuse_out=True, state_stages=3), "fuse w8": dict(fuse_out=True, state_warps=8),
+            "fuse bv16": dict(fuse_out=True, state_block_v=16), "fuse bv64": dict(fuse_out=True, state_block_v=64),
             "subst pw4": dict(ut_subst=True, warps=(("wy", 4), ("dqk", 4), ("out", 4), ("precompute", 4)))}
 
 

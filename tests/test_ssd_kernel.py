@@ -375,6 +375,36 @@ def test_ut_substitution_matches(dtype):
         assert errs["o"] <= 2 * ref["o"] + 1e-4, (errs, ref)
 
 
+@pytest.mark.parametrize("dtype, with_beta, kdec", [("float32", True, True), ("bfloat16", True, True),
+                                                     ("float32", False, False)])
+def test_fused_output_matches(dtype, with_beta, kdec):
+    """SSDConfig.fuse_out: the forward's state pass forms the output itself (no chunk states, no D, no output
+    kernel). dk != dv over several dv blocks of the state pass, a partial last chunk, an initial state: the
+    output and final state equal the unfused forward's (the same products on the same rounded operands), and
+    the op (output, final state, every gradient) matches the float64 recurrence."""
+    base = dataclasses.replace(ssd_config(24, 40, jnp.dtype(dtype), "cpu"), kdec=kdec, transition=False,
+                               state_block_v=16, block=64)
+    cfg = dataclasses.replace(base, fuse_out=True)
+    inputs = make_inputs(23, 1, 2, 150, 24, 40, dtype=jnp.dtype(dtype), la_lo=-0.5, with_state=True,
+                         with_beta=with_beta)
+    args = [inputs[n] for n in ("q", "k", "v", "log_alpha")] + [inputs.get("beta")]
+    outs = {}
+    for name, c in (("unfused", base), ("fused", cfg)):
+        st = ssd_module.make_static(inputs["q"], inputs["k"], inputs["v"], inputs.get("beta"), scale=24 ** -0.5,
+                                    chunk_size=64, interpret=True, config=c, device_kind="cpu")
+        assert ssd_module.fuses_output(st) == (name == "fused")
+        q, k, v, la, beta = args
+        outs[name] = ssd_module.forward(st, q, k, v, la.astype(jnp.float32),
+                                        None if beta is None else beta.astype(jnp.float32),
+                                        inputs["initial_state"].astype(jnp.float32))
+    for got, want in zip(outs["fused"], outs["unfused"]):
+        got, want = np.asarray(got.astype(jnp.float32), np.float64), np.asarray(want.astype(jnp.float32), np.float64)
+        assert got.shape == want.shape and np.all(np.isfinite(got))
+        assert rel_err(got, want) < 1e-6     # the interpreter gives 0.0: the same operations in the same order
+    tol = TOLERANCES["float32"] if dtype == "float32" else LOW_PRECISION_TOL[dtype]
+    assert_close(errors(ssd(64, scale=24 ** -0.5, config=cfg), inputs, seed=23), tol)
+
+
 def test_small_f32_dot_lowers_and_matches():
     """small_f32_dot (the UT transform's 16 x 16 x 16 float32 products through f32_dot as well, a candidate
     for the float32 backward): forward and backward go through the Pallas Triton lowering for an abstract

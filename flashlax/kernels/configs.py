@@ -412,7 +412,10 @@ class SSDConfig:
     (two-product form with beta, forward): the forward's precompute forms only T's 16 x 16 diagonal blocks
     and solves (I + A) w = beta gamma k and (I + A) u = beta v by block forward substitution, w_i = T_ii
     (x_i - sum_{j<i} A_ij w_j), instead of forming T's blocks below the diagonal first (the backward's
-    precompute, which stores T, always forms all of it).
+    precompute, which stores T, always forms all of it). ``fuse_out`` (forward, not the transition form): the
+    sequential state pass also forms each chunk's output O = P D + q_g S_n for its dv columns as it goes (P
+    from q and k, as the output kernel does), so the forward stores neither the chunk states nor D and runs
+    no output kernel (the backward, which recomputes the states, is unchanged).
     """
 
     block: int = 16
@@ -432,6 +435,7 @@ class SSDConfig:
     mh_kernel: bool = False
     kdec: bool = False
     ut_subst: bool = False
+    fuse_out: bool = False
 
     def __post_init__(self):
         for name in ("block", "block_v", "state_block_v", "max_chunk", "dqk_block_k"):
@@ -447,7 +451,7 @@ class SSDConfig:
             raise ValueError(f"SSDConfig: state_stages must be a positive int, got {self.state_stages!r}")
         if self.f32_dot not in ("ieee", "tf32x3"):
             raise ValueError(f"SSDConfig: f32_dot must be 'ieee' or 'tf32x3', got {self.f32_dot!r}")
-        for name in ("reverse_rinc", "mh_kernel", "kdec", "ut_subst"):
+        for name in ("reverse_rinc", "mh_kernel", "kdec", "ut_subst", "fuse_out"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SSDConfig: {name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.small_f32_dot, bool):
@@ -482,6 +486,8 @@ def ssd_smem_bytes(config: SSDConfig, head_dim_k: int, head_dim_v: int, chunk: i
     c = min(chunk, config.max_chunk)
     bv = min(config.state_block_v, dv)
     sequential = config.state_stages * c * dk * item + c * dk * item + dk * bv * 4 + c * bv * 4
+    if config.fuse_out:         # the forward's state pass also streams q and k and stages P [C, C] float32
+        sequential += 2 * config.state_stages * c * dk * item + c * c * 4
     if config.transition:       # M_n [dk, dk] float32 streamed per stage, staged once more as an operand
         sequential = (config.state_stages + 1) * dk * dk * 4 + 2 * dk * bv * 4
     block = max([config.block] + [b for _, b in config.blocks])

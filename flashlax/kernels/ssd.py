@@ -140,19 +140,23 @@ def _state_kernel(*refs, names, st: Static):
     """Sequential pass over the chunks for dv columns [iv * bv, (iv + 1) * bv): the float32 state S [dk, bv]
     in registers; per chunk stores h_n = S, then S <- M_n S + H_n (``st.transition``; without beta
     S <- g S + H_n) or D = u - w S (stored as "d" when asked; D = v without beta), S <- g S + k_dec^T D.
-    Writes the final state."""
+    Writes the final state. With an "o" output (``SSDConfig.fuse_out``) also each chunk's output for these
+    columns, O = P D + q_g S_n (:func:`_chunk_output`), instead of storing h and D for the output kernel."""
     r = named(refs, names)
     bv, col0, c, kcols, vcols = sequential_program(st)
+    fused = "o" in r
 
     def body(n, s):
         r0, row_m = n * c, n * st.dkp
-        store_state(r["h"], row_m, col0, s, st)
+        if "h" in r:
+            store_state(r["h"], row_m, col0, s, st)
         if st.transition:
             inc = load_square(r["inc"], row_m, col0, st, bv)
             if st.has_beta:
                 return dot(mm(load_square(r["m"], row_m, 0, st, st.dkp), st), mm(s, st), st) + inc
             return jnp.exp(jnp.sum(load_vec(r["la"], r0, c, st))) * s + inc
-        k_dec, decay, _ = chunk_keys(r, r0, load_vec(r["la"], r0, c, st), st, kcols)
+        la = load_vec(r["la"], r0, c, st)
+        k_dec, decay, gamma = chunk_keys(r, r0, la, st, kcols, gamma=fused)
         if st.has_beta:
             w = load(r["w"], r0, c, 0, st.dkp, st)
             d = load(r["u"], r0, c, col0, bv, st).astype(F32) - dot(w, mm(s, st), st)
@@ -160,10 +164,25 @@ def _state_kernel(*refs, names, st: Static):
                 store(r["d"], r0, col0, d, st)
         else:
             d = load(r["v"], r0, c, col0, bv, st, vcols).astype(F32)
+        if fused:
+            _chunk_output(r, r0, col0, la, gamma, mm(s, st), mm(d, st), st, kcols)
         return decay * s + dot(k_dec, mm(d, st), st, ta=True)
 
     s = lax.fori_loop(jnp.int32(0), jnp.int32(st.n_chunks), body, state_block(r["s0"], 0, col0, st, bv))
     store_state(r["final"], 0, col0, s, st, user=True)
+
+
+def _chunk_output(r, r0, col0, la, gamma, h, d, st: Static, kcols):
+    """``SSDConfig.fuse_out``: the output of the chunk at row ``r0`` for the dv columns of ``d``, O = P D +
+    q_g S_n with P = scale (q k^T * G) and q_g = scale gamma q, as :func:`_output_kernel` forms them on one
+    chunk-sized sub-block (h: S_n and d: D in the mm dtype, as that kernel reads them stored)."""
+    c = st.chunk
+    q = load(r["q"], r0, c, 0, st.dkp, st, kcols)
+    k = load(r["k"], r0, c, 0, st.dkp, st, kcols)
+    p = mm(p_blocks([q], [k], Decays([la], c), st)[0, 0], st)
+    q_g = mm((st.scale * gamma)[:, None] * q.astype(F32), st)
+    o = dot(p, d, st) + dot(q_g, h, st)
+    store(r["o"], r0, col0, o, st, col_bound(st.dv, st.dvp))
 
 
 def _output_kernel(*refs, names, st: Static):
@@ -227,11 +246,14 @@ def mh_call(st: Static, k, la, pre: dict) -> dict:
     return call(_mh_kernel, st, st.n_chunks, inputs, outputs, name="ssd_mh")
 
 
-def state_call(st: Static, k, v, la, s0, pre: dict, emit_delta: bool = False) -> dict:
+def state_call(st: Static, k, v, la, s0, pre: dict, emit_delta: bool = False, q=None) -> dict:
     """{"final": [B, H, dk, dv] float32, "h": chunk-start states [B, H, N * dkp, dvp] in the input dtype,
-    and "d": D [B, H, T, dvp] when ``emit_delta`` (with beta, not ``st.transition``)}."""
+    and "d": D [B, H, T, dvp] when ``emit_delta`` (with beta, not ``st.transition``)}; with ``q`` (fused output,
+    :func:`fuses_output`) {"final", "o": O [B, H, T, dv] in v's dtype} instead."""
     bh = k.shape[:2]
     inputs = {"la": (la, vec_spec(st))}
+    if q is not None:
+        inputs.update(q=seq_arg(q, st, st.dkp), k=seq_arg(k, st, st.dkp))
     if st.transition:
         inputs["inc"] = per_chunk_arg(pre["inc"], st)
         if st.has_beta:
@@ -239,16 +261,19 @@ def state_call(st: Static, k, v, la, s0, pre: dict, emit_delta: bool = False) ->
     else:
         if "kdec" in pre:
             inputs["kdec"] = seq_arg(pre["kdec"], st, st.dkp)
-        else:
+        elif "k" not in inputs:
             inputs["k"] = seq_arg(k, st, st.dkp)
         if st.has_beta:
             inputs.update(w=seq_arg(pre["w"], st, st.dkp), u=seq_arg(pre["u"], st, st.dvp))
         else:
             inputs["v"] = seq_arg(v, st, st.dvp)
     inputs["s0"] = (s0, mat_spec(st.dkp, st.dvp))
-    outputs = {"final": (jax.ShapeDtypeStruct(bh + (st.dk, st.dv), F32), mat_spec(st.dkp, st.dvp)),
-               "h": per_chunk_out(st, bh, st.dvp, st.mm_dtype)}
-    if emit_delta and st.has_beta and not st.transition:
+    outputs = {"final": (jax.ShapeDtypeStruct(bh + (st.dk, st.dv), F32), mat_spec(st.dkp, st.dvp))}
+    if q is not None:
+        outputs["o"] = seq_out(st, bh, st.dvp, v.dtype, full=st.dv)
+    else:
+        outputs["h"] = per_chunk_out(st, bh, st.dvp, st.mm_dtype)
+    if q is None and emit_delta and st.has_beta and not st.transition:
         outputs["d"] = seq_out(st, bh, st.dvp, st.mm_dtype)
     return call(_state_kernel, st, st.dvp // st.state_block_v(), inputs, outputs, sequential=True,
                 name="ssd_state")
@@ -279,8 +304,17 @@ def output_call(st: Static, q, k, v, la, pre: dict, states: dict):
 def forward(st: Static, q, k, v, la, beta, s0):
     """(o, final state)."""
     pre = precompute_call(st, k, v, la, beta)
+    if fuses_output(st):
+        states = state_call(st, k, v, la, s0, pre, q=q)
+        return states["o"], states["final"]
     states = state_call(st, k, v, la, s0, pre, emit_delta=True)
     return output_call(st, q, k, v, la, pre, states), states["final"]
+
+
+def fuses_output(st: Static) -> bool:
+    """Whether the forward's state pass forms the output itself (``SSDConfig.fuse_out``; the two-product
+    form, where it forms D: not the transition form)."""
+    return st.config.fuse_out and not st.transition
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
