@@ -403,6 +403,11 @@ def test_fused_output_matches(dtype, with_beta, kdec):
         assert rel_err(got, want) < 1e-6     # the interpreter gives 0.0: the same operations in the same order
     tol = TOLERANCES["float32"] if dtype == "float32" else LOW_PRECISION_TOL[dtype]
     assert_close(errors(ssd(64, scale=24 ** -0.5, config=cfg), inputs, seed=23), tol)
+    # chunks over FUSE_OUT_MAX_CHUNK run unfused (the same function; P [C, C] would not fit)
+    big = ssd_module.make_static(inputs["q"], inputs["k"], inputs["v"], inputs.get("beta"), scale=1.0,
+                                 chunk_size=128, interpret=True, config=dataclasses.replace(cfg, max_chunk=128),
+                                 device_kind="cpu")
+    assert big.chunk == 128 and not ssd_module.fuses_output(big)
 
 
 def test_small_f32_dot_lowers_and_matches():

@@ -299,8 +299,11 @@ DECODE_CONFIGS: dict[str, dict[tuple[int, str], DecodeConfig]] = {
         # 6% at B1 Lq16); tiles spanning pages (per-row page lookups: pages of 16) keep 3 stages at two
         # per SM (1.08-1.11x the contiguous time at 4 stages, one per SM; 1.00-1.09x so); docs/PERF_NOTES.md,
         # decode and "Paged KV caches", session 15.
+        # Session 18: pages of 16 at 7 stages, one per SM, the table read in the step (K/V 3 steps of lead
+        # behind the vector table read): 1.019 / 1.024x at B1 Lq16 / B4 Lq4 vs 1.097 / 1.036 at 3 stages two
+        # per SM with read-ahead (session 16: 1.016-1.044 vs 1.017-1.068 over the five shapes).
         (128, "16"): DecodeConfig(64, 4, 4, 64, programs_per_sm=1,
-                                  paged=(("num_stages", 3), ("programs_per_sm", 2))),
+                                  paged=(("num_stages", 7), ("page_prefetch", 0))),
         (256, "16"): DecodeConfig(64, 4, 2, 32),
         (64, "32"): DecodeConfig(64, 4, 2, 32),
         (128, "32"): DecodeConfig(32, 4, 2, 32),
@@ -374,6 +377,7 @@ def num_sms(device_kind: str | None = None) -> int:
 # ----------------------------------------------------------------------------------------------------
 
 # The ssd kernels by name (SSDConfig.warps; the pallas_call names are "ssd_<name>", the wy one "ssd_wy_bwd").
+FUSE_OUT_MAX_CHUNK = 64    # SSDConfig.fuse_out: larger chunks run unfused (P [C, C] and the q, k stages)
 SSD_KERNELS = ("precompute", "mh", "state", "out", "dout", "reverse", "dqk", "wy")
 SSD_BLOCK_KERNELS = ("mh", "out", "dout", "dqk", "wy")     # the chunk kernels whose sub-block SSDConfig.blocks sets
 
@@ -415,7 +419,8 @@ class SSDConfig:
     precompute, which stores T, always forms all of it). ``fuse_out`` (forward, not the transition form): the
     sequential state pass also forms each chunk's output O = P D + q_g S_n for its dv columns as it goes (P
     from q and k, as the output kernel does), so the forward stores neither the chunk states nor D and runs
-    no output kernel (the backward, which recomputes the states, is unchanged).
+    no output kernel (the backward, which recomputes the states, is unchanged); for chunks up to
+    :data:`FUSE_OUT_MAX_CHUNK` (a larger chunk runs unfused: the same function).
     """
 
     block: int = 16
@@ -486,7 +491,7 @@ def ssd_smem_bytes(config: SSDConfig, head_dim_k: int, head_dim_v: int, chunk: i
     c = min(chunk, config.max_chunk)
     bv = min(config.state_block_v, dv)
     sequential = config.state_stages * c * dk * item + c * dk * item + dk * bv * 4 + c * bv * 4
-    if config.fuse_out:         # the forward's state pass also streams q and k and stages P [C, C] float32
+    if config.fuse_out and c <= FUSE_OUT_MAX_CHUNK:   # the forward's state pass also streams q and k, stages P
         sequential += 2 * config.state_stages * c * dk * item + c * c * 4
     if config.transition:       # M_n [dk, dk] float32 streamed per stage, staged once more as an operand
         sequential = (config.state_stages + 1) * dk * dk * 4 + 2 * dk * bv * 4
@@ -532,10 +537,10 @@ SSD_CONFIGS: dict[str, dict[tuple[int, str], SSDConfig]] = {
                                state_stages=1, max_chunk=64, f32_dot="tf32x3"),
         (64, "16"): SSDConfig(block=64, block_v=64, state_block_v=32, state_stages=2, f32_dot="tf32x3",
                               transition=True),
-        (128, "16"): SSDConfig(block=64, block_v=64, num_warps=8, state_block_v=32, state_stages=2,
+        (128, "16"): SSDConfig(block=64, block_v=64, num_warps=8, state_block_v=32,
                                f32_dot="tf32x3", blocks=(("wy", 16),), dqk_block_k=64,
                                warps=(("wy", 4), ("dqk", 4), ("out", 4), ("precompute", 2)), kdec=True,
-                               ut_subst=True),
+                               ut_subst=True, fuse_out=True, state_stages=3),
         (256, "16"): SSDConfig(block=16, block_v=32, num_warps=8, state_block_v=16, state_warps=8,
                                state_stages=1, max_chunk=64, f32_dot="tf32x3", warps=(("out", 4), ("state", 4))),
     },

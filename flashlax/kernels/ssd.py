@@ -20,6 +20,8 @@ kernels by parallelism. Per chunk of C tokens with state ``S`` at its start::
    ``SSDConfig.kdec`` the precompute stores k_dec and the two-product form reads it, so no decay vector is
    formed inside the sequential chain.
 3. ``_output_kernel`` (one program per chunk, batch and head): O = P D + q_g S with P recomputed from q, k.
+   With ``SSDConfig.fuse_out`` (two-product form) the forward's state pass forms O itself for its dv
+   columns as it goes (``_chunk_output``): no chunk states or D are stored and no output kernel runs.
 
 Numerics. Every decay is ``exp`` of a segment sum of log_alpha inside one chunk: for two positions in
 different sub-blocks it is (suffix of the earlier block) + (whole blocks between) + (prefix of the later
@@ -49,7 +51,7 @@ from flashlax.kernels._ssd_tiles import (F32, UT_BLOCK, Decays, Static, add_all,
                                          sequential_program, state_block, store, store_state, ut_apply, ut_blocks,
                                          ut_diagonal, ut_solve, vec_spec)
 from flashlax._precision import uses_tf32
-from flashlax.kernels.configs import SSDConfig, check_ssd_config, ssd_config
+from flashlax.kernels.configs import FUSE_OUT_MAX_CHUNK, SSDConfig, check_ssd_config, ssd_config
 from flashlax.parallel.vma import cotangent_like, match_vma
 
 
@@ -314,7 +316,7 @@ def forward(st: Static, q, k, v, la, beta, s0):
 def fuses_output(st: Static) -> bool:
     """Whether the forward's state pass forms the output itself (``SSDConfig.fuse_out``; the two-product
     form, where it forms D: not the transition form)."""
-    return st.config.fuse_out and not st.transition
+    return st.config.fuse_out and not st.transition and st.chunk <= FUSE_OUT_MAX_CHUNK
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
