@@ -25,7 +25,8 @@ from flashlax.fallbacks.decode import decode_attention_xla
 from flashlax.kernels import configs
 from flashlax.kernels.configs import (DECODE_CONFIGS, DecodeConfig, check_decode_config, decode_config,
                                       decode_smem_bytes)
-from flashlax.kernels.decode import choose_num_splits, decode_attention_pallas, kernel_outputs, merge_splits
+from flashlax.kernels.decode import (_smem_view, choose_num_splits, decode_attention_pallas, kernel_outputs,
+                                     merge_splits)
 from flashlax.reference import decode_reference
 
 KINDS = {"h200": "NVIDIA H200", "rtx3090": "NVIDIA GeForce RTX 3090", "default": "Some Future GPU"}
@@ -282,7 +283,9 @@ def test_other_decode_configs_fit(family):
     for (max_d, cls), cfg in DECODE_CONFIGS[family].items():
         dtype = jnp.float32 if cls == "32" else jnp.bfloat16
         check_decode_config(cfg, cfg.block_rows, max_d, max_d, dtype, KINDS[family])
-        check_decode_config(cfg.for_paged(), cfg.block_rows, max_d, max_d, dtype, KINDS[family])
+        for page_size in (8, 16, 32, 48):  # tiles spanning pages: the paged overrides, counted as launched
+            check_decode_config(_smem_view(cfg.for_paged(page_size), page_size), cfg.block_rows, max_d, max_d,
+                                dtype, KINDS[family])
 
 
 def test_oversized_decode_config_is_rejected_and_shrunk():

@@ -431,8 +431,8 @@ def _smem_view(cfg: DecodeConfig, page_size: int) -> DecodeConfig:
     """``cfg`` as its shared memory is counted. A paged launch that reads the block table as a vector in the
     same loop step as the K/V loads it feeds (no read-ahead) gets (num_stages - 1) // 2 steps of lead for
     them from Triton's pipeliner (its AssignLatencies pass: latency = (stages - 1) / (indirection + 1)), so
-    they hold that many + 1 buffers, as a launch of that many + 1 stages would. Used for explicit configs
-    only (experiments: ``scripts/gpu_paged.py``); no shipped config reads the table in the step."""
+    they hold that many + 1 buffers, as a launch of that many + 1 stages would. The H200 D128 16-bit entry's
+    paged override reads the table in the step (``page_prefetch=0``, 7 stages: 4 K/V buffers)."""
     if page_size and cfg.page_prefetch == 0 and _tiles.page_read(cfg.page_lookup, page_size, cfg.block_kv) == "rows":
         return dataclasses.replace(cfg, num_stages=(cfg.num_stages - 1) // 2 + 1)
     return cfg
