@@ -39,7 +39,10 @@ def attention_reference(q, k, v, *, score_mod=None, mask_mod=None, scale=None):
     if mask_mod is not None:
         allowed = jnp.broadcast_to(apply_mod(mask_mod, b, h, q_idx, kv_idx), scores.shape)
     scores = jnp.where(allowed, scores, -jnp.inf)
-    row_max = scores.max(-1, keepdims=True)
+    # Softmax does not depend on the shift, so no gradient flows through it: JAX's max gradient divides by
+    # the count of elements equal to the max, which is 0 (0 * inf = NaN) wherever XLA evaluates the scores
+    # twice with different roundings (XLA CPU at -O0 does).
+    row_max = lax.stop_gradient(scores.max(-1, keepdims=True))
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
     weights = jnp.where(allowed, jnp.exp(scores - row_max), 0.0)
     total = weights.sum(-1)

@@ -22,7 +22,8 @@ FILES = sorted(p.name for p in (HERE / "multidevice").glob("md_*.py"))
 
 @pytest.mark.parametrize("name", FILES)
 def test_multidevice(name, request):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8",
+               JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
     markers = request.config.getoption("-m") or "not gpu and not slow"
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "python_files=md_*.py",
