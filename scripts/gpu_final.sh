@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: the gpu-marked tests and the benchmark suites on the GPU, in the order given as arguments
-# (default: tests decode linear quick; also: prefill4k, prefill16k, dims, paged, shardmap, decode_diag, linear_ab, ssd, trace, trace_nocb, dispatch, ssd_ab, linear_bf16; PAGED_ARGS: extra gpu_paged.py flags, PAGED_VARIANTS: its --variants), each step time-boxed
+# (default: tests decode linear quick; also: prefill4k, prefill16k, dims, paged, shardmap, decode_diag, linear_ab, ssd, trace, trace_nocb, dispatch, ssd_ab, linear_bf16, linear_f32, linear_tf32; PAGED_ARGS: extra gpu_paged.py flags, PAGED_VARIANTS: its --variants), each step time-boxed
 # (T_<STEP> seconds; TEST_K: a pytest -k filter for the tests step), every log and JSON written under $OUT as it goes, so a cut-off run keeps what finished.
 set -u
 export PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
@@ -49,6 +49,11 @@ for s in $steps; do
       step "${T_LINEAR_BF16:-120}" linear_bf16 python3 -m flashlax.bench --suite linear --device gpu --batch 2 \
         --heads 16 --lengths 8192 --dims 128 --dtypes bfloat16 --impls ${LIN_BF16_IMPLS:-ssd} --repeats 5 \
         --output "$OUT/linear_bf16.json" ;;
+    linear_f32|linear_tf32)  # issue 15's float32 bars (B2 H8 T8192 dk64, with and without beta) at full float32
+      # and at tf32 products (fla's float32 precision: its tl.dot defaults to tf32), chunked and ssd
+      mkdir -p "$OUT/$s"
+      step "${T_LINEAR_F32:-150}" "$s" env $([ $s = linear_tf32 ] && echo JAX_DEFAULT_MATMUL_PRECISION=tensorfloat32) python3 scripts/gpu_linear_ab.py --out "$OUT/$s" --only 0,3 \
+        --impls "${LIN_F32_IMPLS:-chunked,ssd}" --deadline "${T_LINEAR_F32:-150}" ;;
     ssd) step "${T_SSD:-300}" ssd python3 scripts/gpu_ssd.py --out "$OUT" --steps "${SSD_STEPS:-check,kernels,variants}" \
            --deadline "${SSD_DEADLINE:-240}" ;;
   esac

@@ -41,6 +41,8 @@ def main():
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--first", type=int, default=0, help="start at this entry of SHAPES (skip measured ones)")
     ap.add_argument("--only", default="", help="comma-separated entries of SHAPES to run, in this order")
+    ap.add_argument("--impls", default="chunked,ssd,ssd_xbwd,chunked_fat",
+                    help="comma-separated, chunked first (the others' max_rel_vs_chunked)")
     args = ap.parse_args()
     rows, path = [], os.path.join(args.out, "linear_ab.json")
     timing = dict(target_ms=1.0, reps=1, min_iters=1) if args.smoke else dict(target_ms=40.0, reps=5)
@@ -53,11 +55,12 @@ def main():
         q, k, v, do = (x.astype(dtype) for x in (q, k, v, do))
         beta = beta if with_beta else None
         ref = None
-        for impl in ("chunked", "ssd", "ssd_xbwd", "chunked_fat"):
+        for impl in args.impls.split(","):
             kw = dict(interpret=args.smoke, backward="xla" if impl == "ssd_xbwd" else "pallas")
             fn = impl_fn("ssd", **kw) if impl.startswith("ssd") else impl_fn(impl)
             fwd, step = jax.jit(fn), fwd_bwd(fn)
-            row = dict(batch=b, heads=h, seq=t, dk=d, dtype=dtype, beta=with_beta, impl=impl)
+            row = dict(batch=b, heads=h, seq=t, dk=d, dtype=dtype, beta=with_beta, impl=impl,
+                       precision=str(jax.config.jax_default_matmul_precision))
             try:
                 if impl != "ssd_xbwd":            # its forward is ssd's
                     row["fwd_ms"], _ = bench(fwd, q, k, v, la, beta, **timing)

@@ -26,7 +26,7 @@ from flashlax.kernels import configs
 from flashlax.kernels.configs import (DECODE_CONFIGS, DecodeConfig, check_decode_config, decode_config,
                                       decode_smem_bytes)
 from flashlax.kernels.decode import (_smem_view, choose_num_splits, decode_attention_pallas, kernel_outputs,
-                                     merge_splits)
+                                     launch_config, merge_splits)
 from flashlax.reference import decode_reference
 
 KINDS = {"h200": "NVIDIA H200", "rtx3090": "NVIDIA GeForce RTX 3090", "default": "Some Future GPU"}
@@ -286,6 +286,21 @@ def test_other_decode_configs_fit(family):
         for page_size in (8, 16, 32, 48):  # tiles spanning pages: the paged overrides, counted as launched
             check_decode_config(_smem_view(cfg.for_paged(page_size), page_size), cfg.block_rows, max_d, max_d,
                                 dtype, KINDS[family])
+
+
+@pytest.mark.parametrize("family", ["h200", "rtx3090", "default"])
+def test_default_launch_runs_the_shipped_config(family):
+    """With config=None a launch runs the device's entry (with its paged overrides on pages smaller than a
+    tile) unchanged: the fit check counts a paged launch's buffers as the launch holds them, so the H200's
+    7-stage paged override is not stepped down to 32-key tiles (the bench's p16 rows ran that until
+    session 20, 16% behind contiguous)."""
+    for (max_d, cls), cfg in DECODE_CONFIGS[family].items():
+        for dtype in ((jnp.float32,) if cls == "32" else (jnp.bfloat16, jnp.float16)):
+            for page_size in (0, 8, 16, 32, 64, 256):
+                want = cfg.for_paged(page_size) if page_size else cfg
+                got, rows = launch_config(None, max_d, max_d, dtype, KINDS[family], rows=cfg.block_rows,
+                                          max_len=1 << 16, page_size=page_size)
+                assert (got, rows) == (want, cfg.block_rows), (family, max_d, dtype, page_size)
 
 
 def test_oversized_decode_config_is_rejected_and_shrunk():

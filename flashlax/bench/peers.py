@@ -303,7 +303,7 @@ def jax_paged_runner(cache_shape: tuple[int, int, int, int], q_len: int, *, page
     if not harness.on_gpu():
         return unavailable(JAX_PAGED, RuntimeError(f"{JAX_PAGED} requires a GPU backend."))
     if q_len != 1:
-        return unavailable(JAX_PAGED, ValueError(f"{JAX_PAGED} takes one new token, got Lq {q_len}"))
+        return unavailable(JAX_PAGED, NotImplementedError(f"{JAX_PAGED} takes one new token, got Lq {q_len}"))
     import warnings  # noqa: PLC0415
 
     with warnings.catch_warnings():

@@ -438,6 +438,28 @@ def _smem_view(cfg: DecodeConfig, page_size: int) -> DecodeConfig:
     return cfg
 
 
+def launch_config(config: DecodeConfig | None, d: int, dv: int, dtype, device_kind: str, *, rows: int,
+                  max_len: int, page_size: int = 0, tile_reads: int = 0) -> tuple[DecodeConfig, int]:
+    """(config, block_rows) a launch runs: ``config`` (None: the device's entry) with its paged overrides
+    when ``page_size`` is set (:meth:`DecodeConfig.for_paged`), its shared memory counted as the launch
+    holds it (:func:`_smem_view`). An explicit config that does not fit raises; the default one is stepped
+    down only when its launch does not fit (a paged 7-stage launch holds 4 K/V buffers, not 7)."""
+    staged = (lambda c: c.for_paged(page_size)) if page_size else (lambda c: c)  # noqa: E731
+    if config is None:
+        cfg = staged(decode_config(d, dv, dtype, device_kind))
+        block_rows = min(cfg.block_rows, max(MIN_ROWS, pow2(rows)))
+        view = _smem_view(cfg, page_size)
+        small, block_rows = decode_shrink_to_fit(view, block_rows, d, dv, dtype, device_kind, tile_reads)
+        if (small.block_kv, small.num_stages) != (view.block_kv, view.num_stages):
+            cfg = small          # stepped down: its stages are counted as plain ones, the safe reading
+        # Do not step tiles far longer than the cache (tiny inputs).
+        return dataclasses.replace(cfg, block_kv=min(cfg.block_kv, max(16, pow2(max_len)))), block_rows
+    cfg = staged(config)
+    block_rows = min(cfg.block_rows, max(MIN_ROWS, pow2(rows)))
+    check_decode_config(_smem_view(cfg, page_size), block_rows, d, dv, dtype, device_kind, tile_reads)
+    return cfg, block_rows
+
+
 def kernel_outputs(q, k_cache, v_cache, kv_lens, *, scale: float, num_splits, score_tm: TileMod | None = None,
                    mask_tm: TileMod | None = None, interpret: bool = False, config: DecodeConfig | None = None,
                    device_kind: str | None = None, block_table=None):
@@ -459,19 +481,8 @@ def kernel_outputs(q, k_cache, v_cache, kv_lens, *, scale: float, num_splits, sc
         kind = jax.devices()[0].device_kind if not interpret else "cpu-interpret"
     groups = q_heads // kv_heads
     rows = groups * q_len
-    # A paged launch runs the config's paged overrides (DecodeConfig.paged): checked and shrunk as such.
-    staged = (lambda c: c.for_paged(paging["page_size"])) if paging else (lambda c: c)  # noqa: E731
-    if config is None:
-        cfg = staged(decode_config(d, dv, q.dtype, kind))
-        block_rows = min(cfg.block_rows, max(MIN_ROWS, pow2(rows)))
-        cfg, block_rows = decode_shrink_to_fit(cfg, block_rows, d, dv, q.dtype, kind, tile_reads)
-        # Do not step tiles far longer than the cache (tiny inputs).
-        cfg = dataclasses.replace(cfg, block_kv=min(cfg.block_kv, max(16, pow2(max_len))))
-    else:
-        cfg = staged(config)
-        block_rows = min(cfg.block_rows, max(MIN_ROWS, pow2(rows)))
-        check_decode_config(_smem_view(cfg, paging.get("page_size", 0)), block_rows, d, dv, q.dtype, kind,
-                            tile_reads)
+    cfg, block_rows = launch_config(config, d, dv, q.dtype, kind, rows=rows, max_len=max_len,
+                                    page_size=paging.get("page_size", 0), tile_reads=tile_reads)
     row_blocks = _cdiv(rows, block_rows)
     tiles = _cdiv(max_len, cfg.block_kv)
     if num_splits is None:
