@@ -24,12 +24,12 @@ for s in $steps; do
     dims) step "${T_DIMS:-150}" dims python3 -m flashlax.bench --suite prefill --device gpu --batch 2 --lengths 4096 \
             --dims 64 256 --masks causal full --impls pallas jax_cudnn torch_sdpa torch_flex --repeats 5 \
             --output "$OUT/dims.json" ;;
-    quick) step "${T_QUICK:-100}" quick python3 -m flashlax.bench --quick --output "$OUT/quick.json" ;;
+    quick) step "${T_QUICK:-240}" quick python3 -m flashlax.bench --quick --output "$OUT/quick.json" ;;
     decode) step "${T_DECODE:-60}" decode python3 -m flashlax.bench --suite decode --device gpu --repeats 5 \
               --output "$OUT/decode.json" ;;
     linear)  # one process per length (LIN_LENGTHS), so a time-out keeps the lengths that finished
       for t in ${LIN_LENGTHS:-512 2048 8192}; do
-        step "${T_LINEAR:-120}" "linear_$t" python3 -m flashlax.bench --suite linear --device gpu --lengths "$t" \
+        step "${T_LINEAR:-200}" "linear_$t" python3 -m flashlax.bench --suite linear --device gpu --lengths "$t" \
           --dims 64 128 --impls $([ "$t" -le 2048 ] && echo recurrent) chunked chunked_fat ssd \
           --ref-max-seq 2048 --repeats 3 --output "$OUT/linear_$t.json"
       done ;;

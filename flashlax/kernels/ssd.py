@@ -388,8 +388,8 @@ def gated_delta_rule_ssd(q, k, v, log_alpha, beta=None, *, scale: float, initial
     residuals are the inputs). ``config``: an SSDConfig (default: :func:`ssd_config` for the device kind);
     a chunk_size above its ``max_chunk`` runs at ``max_chunk`` (the same function). ``backward``: "pallas"
     (the Pallas backward kernels), "xla" (the backward of the chunked XLA path on the same residuals, the
-    inputs) or "auto" (the faster on the H200: "xla" for float32 with beta and dk or dv over 64, else
-    "pallas"; docs/PERF_NOTES.md).
+    inputs) or "auto" (the faster on the H200: "xla" with beta and dk or dv over 128, else "pallas";
+    docs/PERF_NOTES.md).
     """
     st = make_static(q, k, v, beta, scale=scale, chunk_size=chunk_size, interpret=interpret, config=config,
                      device_kind=device_kind, backward=backward)
