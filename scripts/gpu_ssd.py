@@ -200,7 +200,12 @@ KERNEL_VARIANTS = {
     # (session 11, f32 dk64: b64 w4 1.39 ms, b16 w4 5.81, b32 w4 9.72)
     "dqk": {"bk64 w8": dict(dqk_block_k=64, num_warps=8), "bk64 w4": dict(dqk_block_k=64, num_warps=4),
             "bk32 w4": dict(dqk_block_k=32, num_warps=4), "b64 w8": dict(block=64, num_warps=8),
-            "b64 w4 bv32": dict(block=64, block_v=32)},
+            "b64 w4 bv32": dict(block=64, block_v=32),
+            # session 23 (f32 dk64 transition form, after the cumulative sums): dk in two passes, dv in halves,
+            # 32-row sub-blocks, each at 4 and 8 warps
+            "bk32 w8": dict(dqk_block_k=32, num_warps=8), "bv32 w8": dict(block_v=32, num_warps=8),
+            "bk32 bv32 w4": dict(dqk_block_k=32, block_v=32, num_warps=4),
+            "b32 w4": dict(blocks=(("dqk", 32),), num_warps=4), "b32 w8": dict(blocks=(("dqk", 32),), num_warps=8)},
     # (session 11, f32 dk64: wy_block 64 w4 1.21 ms, w8 2.22, block_v 32 1.49 / 2.38 w8, block 32 w8 18.4)
     # (bf16 dk128: wb16 w4 0.924, wb32 w4 2.04, wb64 w4 2.31, w8 1.35 / 3.35 / 3.20; f32 dk128: wb64 w4 2.80,
     # w8 3.19, wb32 w4 20.4)
@@ -349,7 +354,7 @@ def main():
     p.add_argument("--variant-kernels", default="wy,dqk,precompute,state,reverse,out,dout",
                    help="kernels whose KERNEL_VARIANTS the variants step times, in this order")
     p.add_argument("--variant-shapes", default="f32", help="comma-separated shapes of the variants step: "
-                   "f32 (B2 H8 T8192 d64), bf16 (B2 H16 T8192 d128), f32_128 (B2 H8 T8192 d128), "
+                   "f32 (B2 H8 T8192 d64), f32nb (the same without beta), bf16 (B2 H16 T8192 d128), f32_128 (B2 H8 T8192 d128), "
                    "f32_256 / bf16_256 (B2 H8 T4096 d256)")
     p.add_argument("--kernels", default="", help="comma-separated kernel names to time (default: all)")
     p.add_argument("--shipped-only", action="store_true", help="time the shipped form only")
@@ -420,9 +425,11 @@ def main():
             tag = "f32" if dtype == jnp.float32 else "bf16"
             shapes[name] = ((f"smoke {tag} d32", (1, 2, 100, 32), dtype) if interp else
                             (f"B2 H8 T{t} d{d} {tag}", (2, 8, t, d), dtype))
+        shapes["f32nb"] = shapes["f32"]          # the same shape without beta (the fla simple-GLA target)
         for name in args.variant_shapes.split(","):
             label, shape, dtype = shapes[name]
-            guarded(f"kernel variants {name}", time_kernels, label, shape, dtype, True, interp,
+            with_beta = name != "f32nb"
+            guarded(f"kernel variants {name}", time_kernels, label, shape, dtype, with_beta, interp,
                     tuple(args.variant_kernels.split(",")), args.deadline)
             save(args.out)
     print("\n" + table())
