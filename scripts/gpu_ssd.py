@@ -15,7 +15,9 @@ Steps (``--steps``, in this order):
   alt        ssd, ssd/alt and ssd/alt+mh (SSDConfig.mh_kernel) fwd and fwd+bwd (float32), fwd (bf16), one process;
   kernels    each kernel of the forward and backward alone, both forms (float32 and bf16 shapes);
   variants   each kernel of both forms again, then the KERNEL_VARIANTS (config overrides) of the kernels
-             named by ``--variant-kernels`` (wy first), until ``--deadline`` seconds.
+             named by ``--variant-kernels`` (wy first), until ``--deadline`` seconds;
+  e2e_best   f32 fwd+bwd (with and without beta) of the shipped config and of the two fastest dqk variants
+             the variants step found (each under 0.97x the shipped dqk), with their difference from shipped.
 Writes $OUT/ssd_results.json as it goes. ``--smoke``: the same code in the Pallas interpreter on CPU at tiny
 shapes (timings meaningless). Session 7 ran "e2e,bf16,kernels,variants" (cut off during e2e) and
 "f32nobeta,bf16,alt"; docs/PERF_NOTES.md has the numbers.
@@ -331,6 +333,57 @@ def time_end_to_end(label, shape, dtype, with_beta, modes, impls, interpret):
             save()
 
 
+def best_dqk_override(with_beta, margin=0.97):
+    """The KERNEL_VARIANTS["dqk"] / warp-sweep overrides whose dqk time in RESULTS (variants step) is under
+    ``margin`` x the shipped dqk's, fastest first; a variant's ``num_warps`` becomes a dqk-only warps entry."""
+    rows = [r for r in RESULTS["kernels"] if r["kernel"] == "dqk" and r["beta"] == with_beta]
+    base = [r["ms"] for r in rows if r["variant"] == "shipped"]
+    if not base:
+        return []
+    out = []
+    for r in sorted(rows, key=lambda r: r["ms"]):
+        label = r["variant"].removeprefix("shipped ").strip()
+        if r["variant"] == "shipped" or r["ms"] > margin * base[0]:
+            continue
+        over = KERNEL_VARIANTS["dqk"].get(label)
+        if over is None and label.startswith("kw"):
+            over = {"num_warps": int(label[2:])}
+        if over is not None:
+            out.append((label, dict(over)))
+    return out
+
+
+def time_best_dqk(label, shape, with_beta, interpret, top=2, margin=0.97):
+    """fwd+bwd of ssd (Pallas backward) with the shipped config and with its ``top`` fastest dqk variants (a
+    variant's block_v applies to every chunk kernel end to end, as the config field does)."""
+    b, h, t, d = shape
+    q, k, v, la, beta, do = inputs(b, h, t, d, d, jnp.float32, seed=9, with_beta=with_beta)
+    cfg = ssd_config(d, d, jnp.float32) if not interpret else None
+    if cfg is None:
+        from flashlax.kernels.configs import SSDConfig
+        cfg = SSDConfig()
+    cands = [("shipped", cfg)]
+    for vlabel, over in best_dqk_override(with_beta, margin)[:top]:
+        if "num_warps" in over:
+            over["warps"] = kernel_warps(cfg, "dqk", over.pop("num_warps"))
+        cands.append((f"dqk {vlabel}", dataclasses.replace(cfg, **over)))
+    ref = None
+    for clabel, c in cands:
+        run = fwd_bwd(impl_fn("ssd", interpret=interpret, config=c))
+        res = guarded(f"e2e best {clabel}", lambda: timed(run, q, k, v, la, beta, do))
+        if res is None:
+            continue
+        leaves = jax.tree_util.tree_leaves(run(q, k, v, la, beta, do))
+        row = dict(shape=label, impl=f"ssd {clabel}", mode="fwd_bwd", beta=with_beta, ms=res[0], compile_s=res[1])
+        if ref is None:
+            ref = leaves
+        else:
+            row["rel_diff_vs_shipped"] = max(rel(a, r) for a, r in zip(leaves, ref))
+        RESULTS["end_to_end"].append(row)
+        log(f"e2e {label} {'beta' if with_beta else 'no beta'} ssd {clabel:20s} fwd_bwd {res[0]:.4f} ms "
+            f"(compile {res[1]:.1f} s) diff vs shipped {row.get('rel_diff_vs_shipped')}")
+
+
 def table():
     lines = ["| shape | beta | mode | impl | ms | x chunked | max rel diff vs chunked |",
              "|---|---|---|---|---|---|---|"]
@@ -350,7 +403,7 @@ def main():
     p.add_argument("--smoke", action="store_true", help="interpret on CPU at tiny shapes")
     p.add_argument("--deadline", type=float, default=150.0, help="start no new step after this many seconds")
     p.add_argument("--steps", default="check,e2e,bf16,kernels,variants",
-                   help="comma-separated: check e2e f32nobeta bf16 alt kernels variants")
+                   help="comma-separated: check e2e f32nobeta bf16 alt kernels variants e2e_best")
     p.add_argument("--variant-kernels", default="wy,dqk,precompute,state,reverse,out,dout",
                    help="kernels whose KERNEL_VARIANTS the variants step times, in this order")
     p.add_argument("--variant-shapes", default="f32", help="comma-separated shapes of the variants step: "
@@ -431,6 +484,11 @@ def main():
             with_beta = name != "f32nb"
             guarded(f"kernel variants {name}", time_kernels, label, shape, dtype, with_beta, interp,
                     tuple(args.variant_kernels.split(",")), args.deadline)
+            save(args.out)
+    if "e2e_best" in steps:       # end to end with the fastest dqk variant of the variants step, per beta
+        for with_beta in (True, False):
+            guarded(f"e2e best dqk beta={with_beta}", time_best_dqk, f32_label, f32_shape, with_beta, interp,
+                    2, 1e9 if interp else 0.97)
             save(args.out)
     print("\n" + table())
     print("\nfailures:", json.dumps(RESULTS["failures"]))
