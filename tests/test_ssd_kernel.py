@@ -247,6 +247,23 @@ def test_matches_float64_reference_sweep(seed, seq_len, dk, dv, chunk, la_lo, wi
 # Dispatch, configs
 # ---------------------------------------------------------------------------------------------------
 
+def test_without_beta_overrides():
+    """SSDConfig.without_beta: the shipped H200 float32 dk 64 entry runs 32 dv columns per step without beta
+    and its own 64 with beta; without beta, at dv 64 (two dv steps in every chunk kernel) against the float64
+    recurrence, with an initial state and a partial last chunk."""
+    cfg = ssd_config(64, 64, jnp.float32, "NVIDIA H200")
+    assert cfg.block_v == 64 and dict(cfg.without_beta)["block_v"] == 32
+    for with_beta, block_v in ((True, 64), (False, 32)):
+        inputs = make_inputs(23, 1, 2, 100, 64, 64, with_beta=with_beta, with_state=True)
+        st = ssd_module.make_static(inputs["q"], inputs["k"], inputs["v"], inputs.get("beta"), scale=0.125,
+                                    chunk_size=64, interpret=True, config=None, device_kind="NVIDIA H200")
+        assert st.config.block_v == block_v and st.block_v() == block_v
+        assert st.config == (cfg if with_beta else dataclasses.replace(cfg, block_v=32, without_beta=()))
+    inputs = make_inputs(23, 1, 2, 100, 64, 64, with_beta=False, with_state=True)
+    assert_close(errors(ssd(64, config=cfg), inputs, seed=23), TOLERANCES["float32"])
+    assert cfg.resolved(True) is cfg and SSDConfig().resolved(False) == SSDConfig()
+
+
 def test_dispatch_entry():
     entry = dispatch.TABLE["gated_delta_rule"]["ssd"]
     assert entry.kind == "pallas" and entry.target.endswith("ssd:gated_delta_rule_ssd")
@@ -262,9 +279,10 @@ def test_shipped_configs_fit_shared_memory(family, kind):
     for (max_d, cls), cfg in configs.SSD_CONFIGS[family].items():
         dtype = jnp.float32 if cls == "32" else jnp.bfloat16
         assert ssd_config(max_d, max_d, dtype, kind) is cfg
-        for chunk in (16, 32, 64, 128):
-            check_ssd_config(cfg, max_d, max_d, chunk, dtype, kind)
-            assert ssd_smem_bytes(cfg, max_d, max_d, chunk, dtype) <= configs.smem_limit(kind)
+        for form in (cfg, cfg.resolved(False)):        # with beta, and with the without_beta overrides
+            for chunk in (16, 32, 64, 128):
+                check_ssd_config(form, max_d, max_d, chunk, dtype, kind)
+                assert ssd_smem_bytes(form, max_d, max_d, chunk, dtype) <= configs.smem_limit(kind)
     with pytest.raises(ValueError, match="shared memory"):
         check_ssd_config(SSDConfig(state_block_v=128, state_stages=4), 256, 256, 128, jnp.float32, kind)
 
@@ -288,6 +306,11 @@ def test_config_validation():
         SSDConfig(dqk_block_k=48)
     with pytest.raises(ValueError, match="reverse_rinc"):
         SSDConfig(reverse_rinc=1)
+    for bad in ((("nope", 32),), (("without_beta", ()),), ("block_v", 32), [("block_v", 32)]):
+        with pytest.raises(ValueError, match="without_beta"):
+            SSDConfig(without_beta=bad)
+    with pytest.raises(ValueError, match="block_v"):       # the overridden config is checked too
+        SSDConfig(without_beta=(("block_v", 24),))
     with pytest.raises(ValueError, match="mh_kernel"):
         SSDConfig(mh_kernel="yes")
     with pytest.raises(ValueError, match="kdec"):
@@ -444,9 +467,9 @@ def test_small_f32_dot_lowers_and_matches():
 # GPU (pytest -m gpu on the device machine)
 # ---------------------------------------------------------------------------------------------------
 
-# Five compiles (each fwd+bwd compiles about ten Triton kernels): the H200's transition form with beta
-# (dk 64), the two-step form without beta and dk != dv (dk 128), float32 dk 128 with beta, bf16 at dk 128,
-# and head dims 256.
+# Six compiles (each fwd+bwd compiles about ten Triton kernels): the H200's transition form with beta
+# (dk 64) and without (dk 64, its without_beta launch), the two-step form without beta and dk != dv (dk 128),
+# float32 dk 128 with beta, bf16 at dk 128, and head dims 256.
 
 @pytest.mark.gpu
 def test_gpu_float32_deterministic_and_matches_chunked():
@@ -459,8 +482,8 @@ def test_gpu_float32_deterministic_and_matches_chunked():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dk, dv, with_beta, seq_len", [(128, 64, False, 1000), (128, 128, True, 700),
-                                                          (256, 256, True, 300)])
+@pytest.mark.parametrize("dk, dv, with_beta, seq_len", [(64, 64, False, 1000), (128, 64, False, 1000),
+                                                          (128, 128, True, 700), (256, 256, True, 300)])
 def test_gpu_float32(dk, dv, with_beta, seq_len):
     inputs = make_inputs(12, 2, 2, seq_len, dk, dv, with_beta=with_beta, la_lo=-2.0)
     assert_close(errors(ssd(64), inputs, seed=12), TOLERANCES["float32"])

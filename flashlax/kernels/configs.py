@@ -420,7 +420,9 @@ class SSDConfig:
     sequential state pass also forms each chunk's output O = P D + q_g S_n for its dv columns as it goes (P
     from q and k, as the output kernel does), so the forward stores neither the chunk states nor D and runs
     no output kernel (the backward, which recomputes the states, is unchanged); for chunks up to
-    :data:`FUSE_OUT_MAX_CHUNK` (a larger chunk runs unfused: the same function).
+    :data:`FUSE_OUT_MAX_CHUNK` (a larger chunk runs unfused: the same function). ``without_beta``: pairs
+    (field, value) that override this config's fields when ``beta`` is None (gated linear attention runs
+    other kernels, with other best launches, than the delta rule); :meth:`resolved` applies them.
     """
 
     block: int = 16
@@ -441,6 +443,7 @@ class SSDConfig:
     kdec: bool = False
     ut_subst: bool = False
     fuse_out: bool = False
+    without_beta: tuple = ()
 
     def __post_init__(self):
         for name in ("block", "block_v", "state_block_v", "max_chunk", "dqk_block_k"):
@@ -473,6 +476,19 @@ class SSDConfig:
                                  f"{SSD_BLOCK_KERNELS} and block a power of two >= 16, got {self.blocks!r}")
         if not (isinstance(self.transition, bool) or self.transition == "without_beta"):
             raise ValueError(f"SSDConfig: transition must be a bool or 'without_beta', got {self.transition!r}")
+        tunable = {f.name for f in dataclasses.fields(self)} - {"without_beta"}
+        if not (isinstance(self.without_beta, tuple) and all(
+                isinstance(pair, tuple) and len(pair) == 2 and pair[0] in tunable for pair in self.without_beta)):
+            raise ValueError(f"SSDConfig: without_beta must be pairs (field, value) with field one of "
+                             f"{sorted(tunable)}, got {self.without_beta!r}")
+        if self.without_beta:
+            self.resolved(False)         # the overridden config must be valid too
+
+    def resolved(self, has_beta: bool) -> "SSDConfig":
+        """The config the kernels run: without beta, this one with ``without_beta``'s overrides applied."""
+        if has_beta or not self.without_beta:
+            return self
+        return dataclasses.replace(self, without_beta=(), **dict(self.without_beta))
 
 
 def ssd_smem_bytes(config: SSDConfig, head_dim_k: int, head_dim_v: int, chunk: int, dtype) -> int:
@@ -529,8 +545,11 @@ SSD_CONFIGS: dict[str, dict[tuple[int, str], SSDConfig]] = {
         # precompute 0.266 -> 0.309, forward 0.812 -> 0.709, fwd+bwd 4.03 -> 3.86 (3 stages: the same).
         # Session 18: bf16 dk128's forward precompute by block forward substitution (ut_subst): precompute
         # 0.312 -> 0.274 ms, forward 0.747 -> 0.703 in one process (gpu_ssd_ab.py; at 4 warps 0.343 / 0.760).
+        # Session 23 (gpu_ssd.py variants, B2 H8 T8192): without beta, 32 dv columns per step in the chunk
+        # kernels: dqk 0.892 vs 1.134 ms, fwd+bwd 1.320 vs 1.592 (with beta dqk 1.186 vs 1.060: not there).
         (64, "32"): SSDConfig(block=64, block_v=64, state_block_v=16, state_stages=3, f32_dot="tf32x3",
-                              transition=True, mh_kernel=True, blocks=(("wy", 16),)),
+                              transition=True, mh_kernel=True, blocks=(("wy", 16),),
+                              without_beta=(("block_v", 32),)),
         (128, "32"): SSDConfig(block=64, block_v=64, num_warps=8, state_block_v=16, state_stages=2,
                                f32_dot="tf32x3", warps=(("wy", 4), ("precompute", 4), ("out", 4), ("dout", 4))),
         (256, "32"): SSDConfig(block=16, block_v=32, num_warps=8, state_block_v=16, state_warps=8,

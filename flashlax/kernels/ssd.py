@@ -362,7 +362,7 @@ def make_static(q, k, v, beta, *, scale: float, chunk_size: int, interpret: bool
     kind = device_kind
     if kind is None:
         kind = "cpu-interpret" if interpret else jax.devices()[0].device_kind
-    cfg = ssd_config(dk, dv, q.dtype, kind) if config is None else config
+    cfg = (ssd_config(dk, dv, q.dtype, kind) if config is None else config).resolved(beta is not None)
     chunk = min(int(chunk_size), cfg.max_chunk)
     check_ssd_config(cfg, dk, dv, chunk, q.dtype, kind)
     if backward not in ("auto", "pallas", "xla"):
