@@ -358,10 +358,7 @@ def time_best_dqk(label, shape, with_beta, interpret, top=2, margin=0.97):
     variant's block_v applies to every chunk kernel end to end, as the config field does)."""
     b, h, t, d = shape
     q, k, v, la, beta, do = inputs(b, h, t, d, d, jnp.float32, seed=9, with_beta=with_beta)
-    cfg = ssd_config(d, d, jnp.float32) if not interpret else None
-    if cfg is None:
-        from flashlax.kernels.configs import SSDConfig
-        cfg = SSDConfig()
+    cfg = ssd_variant("ssd", d, jnp.float32, interpret, with_beta)["config"]
     cands = [("shipped", cfg)]
     for vlabel, over in best_dqk_override(with_beta, margin)[:top]:
         if "num_warps" in over:
