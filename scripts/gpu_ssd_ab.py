@@ -1,9 +1,10 @@
 """ssd config A/B in one process (issue 15): for each shape, the shipped H200 config and variants of it (SSDConfig
 overrides), end to end (forward, and forward + backward with the backward "auto" picks) and per kernel (the
 precompute and the state pass, each alone on its own inputs), with the largest relative difference of each
-variant's output from the shipped one's.
+variant's output (and, with the backward, every gradient) from the shipped one's.
 
   PYTHONPATH=$PWD python3 scripts/gpu_ssd_ab.py --out $OUT/ssd_ab.json [--shapes bf16_128,f32_128]
+      [--kernels precompute,state,dout,dqk,precompute_bwd,wy]
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from _gpu_common import log  # noqa: E402
 from flashlax.kernels import ssd  # noqa: E402
 
 SHAPES = {"bf16_128": ((2, 16, 8192, 128), jnp.bfloat16), "f32_128": ((2, 8, 8192, 128), jnp.float32),
-          "bf16_256": ((2, 8, 4096, 256), jnp.bfloat16), "f32_64": ((2, 8, 8192, 64), jnp.float32)}
+          "bf16_256": ((2, 8, 4096, 256), jnp.bfloat16), "f32_64": ((2, 8, 8192, 64), jnp.float32),
+          "f32_64nb": ((2, 8, 8192, 64), jnp.float32)}      # nb: without beta
 VARIANTS = {"shipped": {}, "kdec": dict(kdec=True), "s3": dict(state_stages=3),
             "kdec s3": dict(kdec=True, state_stages=3), "nokdec": dict(kdec=False),
             "pw4": dict(warps=(("wy", 4), ("dqk", 4), ("out", 4), ("precompute", 4))),
@@ -35,7 +37,16 @@ VARIANTS = {"shipped": {}, "kdec": dict(kdec=True), "s3": dict(state_stages=3),
             "fuse": dict(fuse_out=True), "nofuse": dict(fuse_out=False),
             "fuse s3": dict(fuse_out=True, state_stages=3), "fuse w8": dict(fuse_out=True, state_warps=8),
             "fuse bv16": dict(fuse_out=True, state_block_v=16), "fuse bv64": dict(fuse_out=True, state_block_v=64),
-            "subst pw4": dict(ut_subst=True, warps=(("wy", 4), ("dqk", 4), ("out", 4), ("precompute", 4)))}
+            "subst pw4": dict(ut_subst=True, warps=(("wy", 4), ("dqk", 4), ("out", 4), ("precompute", 4))),
+            # session 24: the backward's stored P (dout -> dqk) and k k^T * G_strict (precompute -> wy)
+            "sp": dict(store_p=True), "skg": dict(store_kg=True), "sp skg": dict(store_p=True, store_kg=True),
+            "sp skg wy64": dict(store_p=True, store_kg=True, blocks=(("wy", 64),)),
+            "sp skg wy32": dict(store_p=True, store_kg=True, blocks=(("wy", 32),)),
+            # chunks of 128 (the same function, other roundings): half the chunk programs and sequential steps
+            "c128": dict(chunk=128), "c128 w8": dict(chunk=128, num_warps=8),
+            "c128 b128 w8": dict(chunk=128, block=128, num_warps=8),
+            "c128 sp skg": dict(chunk=128, store_p=True, store_kg=True),
+            "c128 sp skg w8": dict(chunk=128, store_p=True, store_kg=True, num_warps=8)}
 
 
 def main():
@@ -45,24 +56,31 @@ def main():
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--deadline", type=float, default=240.0)
     p.add_argument("--no-bwd", action="store_true")
+    p.add_argument("--kernels", default="precompute,state", help="kernels timed alone per variant")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes in the Pallas interpreter (CPU; timings meaningless)")
     args = p.parse_args()
     t0 = time.perf_counter()
     rows = []
     for shape_name in args.shapes.split(","):
         (b, h, t, d), dtype = SHAPES[shape_name]
-        q, k, v, la, beta, do = gpu_ssd.inputs(b, h, t, d, d, dtype, seed=7, with_beta=True)
-        base = ssd.make_static(q, k, v, beta, scale=d ** -0.5, chunk_size=64, interpret=False, config=None,
-                               device_kind=None)
-        want = None
+        if args.smoke:
+            b, h, t, d = 1, 2, 100, 32
+            gpu_ssd.BENCH_KW.update(target_ms=1.0, reps=1, min_iters=1)
+        q, k, v, la, beta, do = gpu_ssd.inputs(b, h, t, d, d, dtype, seed=7, with_beta=not shape_name.endswith("nb"))
+        base = ssd.make_static(q, k, v, beta, scale=d ** -0.5, chunk_size=64, interpret=args.smoke, config=None,
+                               device_kind="NVIDIA H200" if args.smoke else None)
+        want = want_grads = None
         for name in args.variants.split(","):
             if time.perf_counter() - t0 > args.deadline:
                 log(f"{shape_name} {name}: skipped (deadline)")
                 continue
-            cfg = dataclasses.replace(base.config, **VARIANTS[name])
+            over = dict(VARIANTS[name])
+            chunk = over.pop("chunk", 64)      # a variant key of its own: the kernels' chunk size
+            cfg = dataclasses.replace(base.config, **over)
             row = dict(shape=shape_name, variant=name, config=str(cfg))
             try:
                 fwd = jax.jit(lambda q, k, v, la, beta, c=cfg: ssd.gated_delta_rule_ssd(
-                    q, k, v, la, beta, scale=d ** -0.5, config=c, backward="auto"))
+                    q, k, v, la, beta, scale=d ** -0.5, config=c, backward="auto", interpret=args.smoke, chunk_size=chunk))
                 out = fwd(q, k, v, la, beta)
                 if want is None:
                     want = np.asarray(out, np.float32)
@@ -71,16 +89,22 @@ def main():
                 row["fwd_ms"] = gpu_ssd.timed(fwd, q, k, v, la, beta)[0]
                 if not args.no_bwd:
                     fb = gpu_ssd.fwd_bwd(lambda q, k, v, la, beta, c=cfg: ssd.gated_delta_rule_ssd(
-                        q, k, v, la, beta, scale=d ** -0.5, config=c, backward="auto"))
+                        q, k, v, la, beta, scale=d ** -0.5, config=c, backward="auto", interpret=args.smoke, chunk_size=chunk))
+                    grads = [np.asarray(g, np.float32) for g in fb(q, k, v, la, beta, do)[1] if g is not None]
+                    if want_grads is None:
+                        want_grads = grads
+                    row["max_rel_grads_vs_shipped"] = max(
+                        float(np.max(np.abs(g - w)) / max(np.max(np.abs(w)), 1e-30)) for g, w in zip(grads, want_grads))
                     row["fwd_bwd_ms"] = gpu_ssd.timed(fb, q, k, v, la, beta, do)[0]
-                st = dataclasses.replace(base, config=cfg)
+                st = dataclasses.replace(base, config=cfg, chunk=chunk)
                 kargs = gpu_ssd.kernel_args(st, q, k, v, la, beta, do)
-                for kern in ("precompute", "state"):
-                    row[f"{kern}_ms"] = gpu_ssd.timed(gpu_ssd.kernel_fn(kern, st), *kargs[kern])[0]
+                for kern in args.kernels.split(","):
+                    if kern in kargs:
+                        row[f"{kern}_ms"] = gpu_ssd.timed(gpu_ssd.kernel_fn(kern, st), *kargs[kern])[0]
             except Exception as exc:  # noqa: BLE001
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-            log(json.dumps({k_: (round(v_, 4) if isinstance(v_, float) else v_) for k_, v_ in row.items()
-                            if k_ != "config"}))
+            log(json.dumps({k_: (round(v_, 4) if k_.endswith("_ms") else f"{v_:.2e}" if isinstance(v_, float) else v_)
+                            for k_, v_ in row.items() if k_ != "config"}))
             rows.append(row)
             json.dump(rows, open(args.out, "w"), indent=1)
 

@@ -315,6 +315,10 @@ def test_config_validation():
         SSDConfig(mh_kernel="yes")
     with pytest.raises(ValueError, match="kdec"):
         SSDConfig(kdec=1)
+    with pytest.raises(ValueError, match="store_p"):
+        SSDConfig(store_p="yes")
+    with pytest.raises(ValueError, match="store_kg"):
+        SSDConfig(store_kg=1)
 
 
 @pytest.mark.parametrize("with_beta, transition, rinc, mh", [(True, False, False, False), (True, False, True, False),
@@ -431,6 +435,71 @@ def test_fused_output_matches(dtype, with_beta, kdec):
                                  chunk_size=128, interpret=True, config=dataclasses.replace(cfg, max_chunk=128),
                                  device_kind="cpu")
     assert big.chunk == 128 and not ssd_module.fuses_output(big)
+
+
+def _chunk_decay_matrix(la, chunk, strict=False):
+    """float64 [B, H, T, C]: row t's decay from each column token of its chunk, exp(sum_{s < r <= t} la_r), 0
+    where not causal (and on the diagonal when ``strict``); a numpy model of the kernels' G."""
+    b, h, t = la.shape
+    n = -(-t // chunk)
+    blocks = np.pad(np.asarray(la, np.float64), ((0, 0), (0, 0), (0, n * chunk - t))).reshape(b, h, n, chunk)
+    c = np.cumsum(blocks, -1)
+    seg = c[..., :, None] - c[..., None, :]                 # [.., t, s] = sum_{s < r <= t}
+    keep = np.tril(np.ones((chunk, chunk), bool), -1 if strict else 0)
+    g = np.where(keep, np.exp(np.where(keep, seg, 0.0)), 0.0)
+    return g.reshape(b, h, n * chunk, chunk)[:, :, :t]
+
+
+def _chunk_gram(x, y, chunk):
+    """float64 [B, H, T, C]: row t holds x_t . y_s for the tokens s of t's chunk."""
+    b, h, t, _ = x.shape
+    n = -(-t // chunk)
+    pad = ((0, 0), (0, 0), (0, n * chunk - t), (0, 0))
+    xb = np.pad(np.asarray(x, np.float64), pad).reshape(b, h, n, chunk, -1)
+    yb = np.pad(np.asarray(y, np.float64), pad).reshape(b, h, n, chunk, -1)
+    return np.einsum("bhnid,bhnjd->bhnij", xb, yb).reshape(b, h, n * chunk, chunk)[:, :, :t]
+
+
+@pytest.mark.parametrize("with_beta, transition, dtype", [(True, True, "float32"), (True, False, "float32"),
+                                                           (False, True, "float32"), (True, True, "bfloat16")])
+def test_stored_p_and_kg_match(with_beta, transition, dtype):
+    """SSDConfig.store_p / store_kg: the dout kernel stores P = scale (q k^T * G) and the dqk kernel takes
+    log_alpha's gradient through P from it (dP * P) instead of forming q k^T; the backward's precompute stores
+    k k^T * G_strict and the wy kernel reads it instead of forming k k^T. Sub-blocks differ between the
+    writer and the reader (dout on 32-row blocks, dqk on one 64-row tile; the precompute's 16 x 16 UT blocks,
+    wy on 32-row ones), a partial last chunk, an initial state, dk != dv. What is stored matches a float64
+    model, the gradients match the config without the options (the same products, one fewer) and the float64
+    recurrence."""
+    base = dataclasses.replace(ssd_config(24, 16, jnp.dtype(dtype), "cpu"), transition=transition, block=64,
+                               blocks=(("dout", 32), ("wy", 32)))
+    cfg = dataclasses.replace(base, store_p=True, store_kg=True)
+    inputs = make_inputs(29, 1, 2, 150, 24, 16, dtype=jnp.dtype(dtype), la_lo=-0.3, with_beta=with_beta,
+                         with_state=True)
+    scale = 24 ** -0.5
+    st = ssd_module.make_static(inputs["q"], inputs["k"], inputs["v"], inputs.get("beta"), scale=scale,
+                                chunk_size=64, interpret=True, config=cfg, device_kind="cpu")
+    la = inputs["log_alpha"].astype(jnp.float32)
+    beta = inputs.get("beta")
+    do = jnp.asarray(np.random.default_rng(3).standard_normal(inputs["v"].shape), inputs["v"].dtype)
+    from flashlax.kernels import ssd_bwd
+    pre = ssd_module.precompute_call(st, inputs["k"], inputs["v"], la, beta, emit_t=True)
+    dout = ssd_bwd.dout_call(st, inputs["q"], inputs["k"], la, do, pre)
+    q64, k64 = (np.asarray(inputs[n].astype(jnp.float32), np.float64) for n in ("q", "k"))
+    want_p = scale * _chunk_gram(q64, k64, 64) * _chunk_decay_matrix(la, 64)
+    low = dtype != "float32"
+    assert dout["p"].dtype == jnp.float32 and dout["p"].shape == (1, 2, 150, 64)
+    assert rel_err(np.asarray(dout["p"], np.float64), want_p) < (1e-2 if low else 1e-5)
+    assert ("kg" in pre) == with_beta
+    if with_beta:
+        want_kg = _chunk_gram(k64, k64, 64) * _chunk_decay_matrix(la, 64, strict=True)
+        assert pre["kg"].dtype == jnp.float32
+        assert rel_err(np.asarray(pre["kg"], np.float64), want_kg) < (1e-2 if low else 1e-5)
+    tol = TOLERANCES["float32"] if dtype == "float32" else LOW_PRECISION_TOL[dtype]
+    got = errors(ssd(64, scale=scale, config=cfg), inputs, seed=29)
+    assert_close(got, tol)
+    if dtype == "float32":
+        ref = errors(ssd(64, scale=scale, config=base), inputs, seed=29)
+        assert all(got[n] <= 2 * ref[n] + 1e-6 for n in ref), (got, ref)
 
 
 def test_small_f32_dot_lowers_and_matches():

@@ -423,6 +423,11 @@ class SSDConfig:
     :data:`FUSE_OUT_MAX_CHUNK` (a larger chunk runs unfused: the same function). ``without_beta``: pairs
     (field, value) that override this config's fields when ``beta`` is None (gated linear attention runs
     other kernels, with other best launches, than the delta rule); :meth:`resolved` applies them.
+    ``store_p`` (backward): the dout kernel, which forms P = scale (q k^T * G) anyway, also stores it ([B, H, T,
+    C] float32) and the dqk kernel reads it: log_alpha's gradient through P is dP * P, so dqk forms no q k^T
+    product. ``store_kg`` (backward, with beta): the backward's precompute, which forms k k^T * G_strict
+    for the UT transform anyway, also stores it ([B, H, T, C] float32) and the wy kernel reads it instead of
+    forming k k^T. Each drops one data-sized product per chunk for one [T, C] float32 write and read.
     """
 
     block: int = 16
@@ -444,6 +449,8 @@ class SSDConfig:
     ut_subst: bool = False
     fuse_out: bool = False
     without_beta: tuple = ()
+    store_p: bool = False
+    store_kg: bool = False
 
     def __post_init__(self):
         for name in ("block", "block_v", "state_block_v", "max_chunk", "dqk_block_k"):
@@ -459,7 +466,7 @@ class SSDConfig:
             raise ValueError(f"SSDConfig: state_stages must be a positive int, got {self.state_stages!r}")
         if self.f32_dot not in ("ieee", "tf32x3"):
             raise ValueError(f"SSDConfig: f32_dot must be 'ieee' or 'tf32x3', got {self.f32_dot!r}")
-        for name in ("reverse_rinc", "mh_kernel", "kdec", "ut_subst", "fuse_out"):
+        for name in ("reverse_rinc", "mh_kernel", "kdec", "ut_subst", "fuse_out", "store_p", "store_kg"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SSDConfig: {name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.small_f32_dot, bool):

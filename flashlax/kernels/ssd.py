@@ -80,13 +80,17 @@ def _precompute_kernel(*refs, names, st: Static):
             a = {(i, j): mm(a[i, j], st) for i in range(nb) for j in range(i)}
             solve = functools.partial(ut_solve, a, [mm(x, st) for x in inv], st=st)
         else:
-            t, _, _ = ut_blocks(k, beta, dec, st)
+            t, kk, g_strict = ut_blocks(k, beta, dec, st)
             t = {key: mm(x, st) for key, x in t.items()}
+            zero = jnp.zeros((sb, sb), F32)
             if "t" in r:      # every block, the zero ones above the diagonal too (read as whole tiles)
-                zero = jnp.zeros((sb, sb), F32)
                 for i in range(nb):
                     for j in range(nb):
                         store(r["t"], rows[i], j * sb, t[i, j] if j <= i else zero, st)
+            if "kg" in r:     # SSDConfig.store_kg: k k^T * G_strict for the wy kernel, float32, likewise
+                for i in range(nb):
+                    for j in range(nb):
+                        store(r["kg"], rows[i], j * sb, kk[i, j] * g_strict[i, j] if j <= i else zero, st)
             solve = functools.partial(ut_apply, t, st=st)
         w = solve([(beta[j] * dec.gamma(j))[:, None] * k[j].astype(F32) for j in range(nb)])
         for i in range(nb):
@@ -213,7 +217,8 @@ def _output_kernel(*refs, names, st: Static):
 def precompute_call(st: Static, k, v, la, beta, emit_t: bool = False) -> dict:
     """The per-chunk parallel precompute: w, u [B, H, T, dkp / dvp] in the input dtype (with beta; with
     ``st.kdec`` also k_dec [B, H, T, dkp], k decayed to its chunk's end, for the state pass), and with
-    ``emit_t`` T [B, H, T, C] (row r: row r % C of its chunk's T; input dtype); M [B, H, N * dkp, dkp] (with
+    ``emit_t`` T [B, H, T, C] (row r: row r % C of its chunk's T; input dtype; with ``SSDConfig.store_kg`` also
+    "kg": k k^T * G_strict [B, H, T, C] float32, laid out as T); M [B, H, N * dkp, dkp] (with
     beta) and H [B, H, N * dkp, dvp] float32 (with ``st.transition``). {} when none of these."""
     bh = k.shape[:2]
     outputs = {}
@@ -224,6 +229,8 @@ def precompute_call(st: Static, k, v, la, beta, emit_t: bool = False) -> dict:
             outputs["kdec"] = seq_out(st, bh, st.dkp, st.mm_dtype)
         if emit_t:
             outputs["t"] = seq_out(st, bh, st.chunk, st.mm_dtype)
+            if st.config.store_kg:
+                outputs["kg"] = seq_out(st, bh, st.chunk, F32)
     if st.transition and not st.mh_kernel:
         if st.has_beta:
             outputs["m"] = per_chunk_out(st, bh, st.dkp)

@@ -40,7 +40,8 @@ from flashlax.kernels._tiles import sum_all
 
 def _dout_kernel(*refs, names, st: Static):
     """One chunk: P^T dO (float32); with ``st.transition`` or ``st.reverse_rinc`` also R = q_g^T dO - w^T P^T dO
-    [dk, dv], the part of the adjoint step that does not depend on the adjoint."""
+    [dk, dv], the part of the adjoint step that does not depend on the adjoint; with ``SSDConfig.store_p`` P
+    itself ([C, C] per chunk, float32)."""
     r = named(refs, names)
     sb = st.block("dout")
     rows = chunk_rows(st, sb)
@@ -49,7 +50,13 @@ def _dout_kernel(*refs, names, st: Static):
     q = [load(r["q"], row, sb, 0, st.dkp, st, kcols) for row in rows]
     k = [load(r["k"], row, sb, 0, st.dkp, st, kcols) for row in rows]
     dec = chunk_decays(r["la"], rows, sb, st)
-    p = {key: mm(x, st) for key, x in p_blocks(q, k, dec, st).items()}
+    p = p_blocks(q, k, dec, st)
+    if "p" in r:        # SSDConfig.store_p: every block, the zero ones above the diagonal too, float32
+        zero = jnp.zeros((sb, sb), F32)
+        for i in range(nb):
+            for j in range(nb):
+                store(r["p"], rows[i], j * sb, p[i, j] if j <= i else zero, st)
+    p = {key: mm(x, st) for key, x in p.items()}
     if "rinc" in r:
         q_g = [mm((st.scale * dec.gamma(i))[:, None] * q[i].astype(F32), st) for i in range(nb)]
         w = [load(r["w"], row, sb, 0, st.dkp, st) for row in rows] if st.has_beta else None
@@ -112,7 +119,8 @@ def _dqk_kernel(*refs, names, st: Static):
     each pass accumulates the [C, bk] cotangents of q_g, k_dec and w for its columns over the dv blocks and
     writes dq, dk, dw there, so three [C, bk] float32 accumulators are live instead of three [C, dk] ones.
     The first pass also forms dP = dO D^T (and stores dD when formed here); q k^T (for log_alpha's gradient)
-    adds up over the passes. With several passes D and dD are read again (or formed again) per pass."""
+    adds up over the passes (with ``SSDConfig.store_p`` it is not formed: P, read, stands in for it). With
+    several passes D and dD are read again (or formed again) per pass."""
     r = named(refs, names)
     sb = st.block("dqk")
     rows = chunk_rows(st, sb)
@@ -172,8 +180,9 @@ def _dqk_kernel(*refs, names, st: Static):
                     d_p[i, j] = d_p[i, j] + dot(do[i], d[j], st, tb=True)
         if first:      # d(q k^T) through P = scale (q k^T * G)
             d_qk = {key: st.scale * d_p[key] * dec.G(*key) for key in pairs}
-        for i, j in pairs:
-            qk[i, j] = qk[i, j] + dot(q[i], k[j], st, tb=True)
+        if "p" not in r:
+            for i, j in pairs:
+                qk[i, j] = qk[i, j] + dot(q[i], k[j], st, tb=True)
         for i in range(nb):
             dq = (st.scale * gamma[i])[:, None] * d_qg[i] + add_all(dot(mm(d_qk[i, j], st), k[j], st)
                                                                    for j in range(i + 1))
@@ -185,7 +194,10 @@ def _dqk_kernel(*refs, names, st: Static):
                 store(r["dw"], rows[i], k0, d_w[i], st)
             d_gamma[i] = d_gamma[i] + jnp.sum(q[i].astype(F32) * d_qg[i], axis=1)
             d_elast[i] = d_elast[i] + jnp.sum(k[i].astype(F32) * d_kdec[i], axis=1)
-    d_exp = {key: d_qk[key] * qk[key] for key in pairs}
+    if "p" in r:       # d_qk * q k^T = dP * scale (q k^T * G) = dP * P (SSDConfig.store_p)
+        d_exp = {(i, j): d_p[i, j] * load(r["p"], rows[i], sb, j * sb, sb, st) for i, j in pairs}
+    else:
+        d_exp = {key: d_qk[key] * qk[key] for key in pairs}
     d_gamma = [st.scale * d_gamma[i] * gamma[i] for i in range(nb)]
     d_elast = [d_elast[i] * e_last[i] for i in range(nb)]
     dla = dec.grad(d_exp, d_gamma, d_elast, d_decay * dec.chunk_decay())
@@ -199,7 +211,8 @@ def _wy_kernel(*refs, names, st: Static):
     precompute stores it), so the chunk is cut into ``st.block("wy")`` sub-blocks (one [C, C] tile at C),
     not necessarily the UT transform's 16 x 16 ones.
 
-    With d_bv = T^T du and d_bgk = T^T dw: dA = -(d_bv u^T + d_bgk w^T) (T^T du = d_bv, T (beta v) = u)."""
+    With d_bv = T^T du and d_bgk = T^T dw: dA = -(d_bv u^T + d_bgk w^T) (T^T du = d_bv, T (beta v) = u). With
+    ``SSDConfig.store_kg`` k k^T * G_strict is read ("kg"), not formed."""
     r = named(refs, names)
     sb = st.block("wy")
     rows = chunk_rows(st, sb)
@@ -229,12 +242,21 @@ def _wy_kernel(*refs, names, st: Static):
     dec = chunk_decays(r["la"], rows, sb, st)
     gamma = [dec.gamma(i) for i in range(nb)]
     k_bgk = [jnp.sum(k[i].astype(F32) * d_bgk[i], axis=1) for i in range(nb)]
-    kk = {(i, j): dot(k[i], k[j], st, tb=True) for i, j in pairs}
-    d_kk = {}
+    if "kg" in r:      # SSDConfig.store_kg: k k^T * G_strict from the precompute
+        kg = {(i, j): load(r["kg"], rows[i], sb, j * sb, sb, st) for i, j in pairs}
+    else:
+        kk = {(i, j): dot(k[i], k[j], st, tb=True) for i, j in pairs}
+    d_kk, d_exp = {}, {}
     for i, j in pairs:
-        d_akg = d_a[i, j] * dec.G(i, j, strict=True)
+        g = dec.G(i, j, strict=True)
+        d_akg = d_a[i, j] * g
         d_kk[i, j] = d_akg * beta[i][:, None]
-        dbeta[i] = dbeta[i] + jnp.sum(d_akg * kk[i, j], axis=1)
+        if "kg" in r:
+            dbeta[i] = dbeta[i] + jnp.sum(d_a[i, j] * kg[i, j], axis=1)
+            d_exp[i, j] = beta[i][:, None] * (d_a[i, j] * kg[i, j])
+        else:
+            dbeta[i] = dbeta[i] + jnp.sum(d_akg * kk[i, j], axis=1)
+            d_exp[i, j] = d_kk[i, j] * kk[i, j]
     for i, row in enumerate(rows):
         dbeta[i] = dbeta[i] + gamma[i] * k_bgk[i]
         dk = ((beta[i] * gamma[i])[:, None] * d_bgk[i] + load(r["dk1"], row, sb, 0, st.dkp, st)
@@ -242,7 +264,6 @@ def _wy_kernel(*refs, names, st: Static):
               + add_all(dot(mm(d_kk[m, i], st), k[m], st, ta=True) for m in range(i, nb)))
         store(r["dk"], row, 0, dk, st, kcols)
         store_vec(r["dbeta"], row, dbeta[i], st)
-    d_exp = {key: d_kk[key] * kk[key] for key in pairs}
     dla = dec.grad(d_exp, [beta[i] * k_bgk[i] * gamma[i] for i in range(nb)])
     for i, row in enumerate(rows):
         store_vec(r["dla"], row, dla[i] + load_vec(r["dla1"], row, sb, st), st)
@@ -253,12 +274,14 @@ def _wy_kernel(*refs, names, st: Static):
 # ----------------------------------------------------------------------------------------------------
 
 def dout_call(st: Static, q, k, la, do, pre: dict) -> dict:
-    """{"ddl": P^T dO [B, H, T, dvp] float32, and with ``st.transition`` or ``st.reverse_rinc`` "rinc": R [B, H,
-    N * dkp, dvp]}."""
+    """{"ddl": P^T dO [B, H, T, dvp] float32, with ``st.transition`` or ``st.reverse_rinc`` "rinc": R [B, H,
+    N * dkp, dvp], and with ``SSDConfig.store_p`` "p": P [B, H, T, C] float32}."""
     bh = q.shape[:2]
     inputs = dict(q=seq_arg(q, st, st.dkp), k=seq_arg(k, st, st.dkp), la=(la, vec_spec(st)),
                   do=seq_arg(do, st, st.dvp))
     outputs = {"ddl": seq_out(st, bh, st.dvp, F32)}
+    if st.config.store_p:
+        outputs["p"] = seq_out(st, bh, st.chunk, F32)
     if st.transition or st.reverse_rinc:
         if st.has_beta:
             inputs["w"] = seq_arg(pre["w"], st, st.dkp)
@@ -306,6 +329,8 @@ def dqk_call(st: Static, q, k, v, la, do, pre: dict, states: dict, dout: dict, r
             inputs["dd"] = seq_arg(rev["dd"], st, st.dvp)
     else:
         inputs["ddl"] = seq_arg(dout["ddl"], st, st.dvp)
+    if "p" in dout:
+        inputs["p"] = seq_arg(dout["p"], st, st.chunk)
     outputs = {"dq": seq_out(st, bh, st.dkp, q.dtype, st.dk)}
     if st.has_beta:
         outputs.update(dk=seq_out(st, bh, st.dkp, F32), dw=seq_out(st, bh, st.dkp, F32))
@@ -324,6 +349,8 @@ def wy_call(st: Static, k, v, la, beta, pre: dict, dd, dqk: dict) -> dict:
     sv = lambda x: seq_arg(x, st, st.dvp)  # noqa: E731
     inputs = dict(k=sk(k), v=sv(v), la=(la, vec_spec(st)), beta=(beta, vec_spec(st)), w=sk(pre["w"]),
                   u=sv(pre["u"]), t=seq_arg(pre["t"], st, st.chunk), dw=sk(dqk["dw"]), dd=sv(dd), dk1=sk(dqk["dk"]), dla1=(dqk["dla"], vec_spec(st)))
+    if "kg" in pre:
+        inputs["kg"] = seq_arg(pre["kg"], st, st.chunk)
     outputs = dict(dk=seq_out(st, bh, st.dkp, k.dtype, st.dk), dv=seq_out(st, bh, st.dvp, v.dtype, st.dv),
                    dbeta=vec_out(st, bh), dla=vec_out(st, bh))
     return call(_wy_kernel, st, st.n_chunks, inputs, outputs, name="ssd_wy_bwd")
