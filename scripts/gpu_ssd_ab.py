@@ -41,10 +41,14 @@ VARIANTS = {"shipped": {}, "kdec": dict(kdec=True), "s3": dict(state_stages=3),
             # session 24: the backward's stored P (dout -> dqk) and k k^T * G_strict (precompute -> wy)
             "sp": dict(store_p=True), "skg": dict(store_kg=True), "sp skg": dict(store_p=True, store_kg=True),
             "sp skg wy64": dict(store_p=True, store_kg=True, blocks=(("wy", 64),)),
+            "sp skg pack": dict(store_p=True, store_kg=True, wy_pack=True),
+            "sp skg pack wy32": dict(store_p=True, store_kg=True, wy_pack=True, blocks=(("wy", 32),)),
             "sp skg wy32": dict(store_p=True, store_kg=True, blocks=(("wy", 32),)),
             # chunks of 128 (the same function, other roundings): half the chunk programs and sequential steps
             "c128": dict(chunk=128), "c128 w8": dict(chunk=128, num_warps=8),
-            "c128 b128 w8": dict(chunk=128, block=128, num_warps=8),
+            "c128 b128 w8": dict(chunk=128, block=128, num_warps=8, blocks=()),
+            "c128 b128 w8 sp skg": dict(chunk=128, block=128, num_warps=8, blocks=(), store_p=True, store_kg=True),
+            "c128 wy64 sp skg": dict(chunk=128, blocks=(("wy", 64),), store_p=True, store_kg=True),
             "c128 sp skg": dict(chunk=128, store_p=True, store_kg=True),
             "c128 sp skg w8": dict(chunk=128, store_p=True, store_kg=True, num_warps=8)}
 

@@ -502,6 +502,45 @@ def test_stored_p_and_kg_match(with_beta, transition, dtype):
         assert all(got[n] <= 2 * ref[n] + 1e-6 for n in ref), (got, ref)
 
 
+def test_wy_pack_matches_and_lowers():
+    """SSDConfig.wy_pack: the wy kernel pairs dw with du and w with u column by column (Triton join / split), so
+    T^T [dw | du] and [d_bgk | d_bv] [w | u]^T are one product per sub-block pair each. dk == dv (24, padded to
+    32: one width) on 16-row sub-blocks with store_kg, a partial last chunk and an initial state: every
+    gradient matches the float64 recurrence and the unpacked kernel; dk != dv falls back to the unpacked
+    products (the same function); the backward lowers through Pallas' Triton lowering for an H200 at dk 64."""
+    from flashlax.kernels import ssd_bwd
+    base = dataclasses.replace(ssd_config(24, 24, jnp.float32, "cpu"), transition=True, block=64,
+                               blocks=(("wy", 16),), store_kg=True)
+    cfg = dataclasses.replace(base, wy_pack=True)
+    inputs = make_inputs(37, 1, 2, 150, 24, 24, la_lo=-0.3, with_state=True)
+    st = ssd_module.make_static(inputs["q"], inputs["k"], inputs["v"], inputs["beta"], scale=1.0, chunk_size=64,
+                                interpret=True, config=cfg, device_kind="cpu")
+    assert ssd_bwd.wy_packs(st)
+    got = errors(ssd(64, scale=24 ** -0.5, config=cfg), inputs, seed=37)
+    ref = errors(ssd(64, scale=24 ** -0.5, config=base), inputs, seed=37)
+    assert_close(got, TOLERANCES["float32"])
+    assert all(got[n] <= 2 * ref[n] + 1e-6 for n in ref), (got, ref)
+    odd = make_inputs(38, 1, 2, 70, 24, 16, la_lo=-0.3, with_state=True)
+    st_odd = ssd_module.make_static(odd["q"], odd["k"], odd["v"], odd["beta"], scale=1.0, chunk_size=64,
+                                    interpret=True, config=cfg, device_kind="cpu")
+    assert not ssd_bwd.wy_packs(st_odd)
+    assert_close(errors(ssd(64, scale=24 ** -0.5, config=cfg), odd, seed=38), TOLERANCES["float32"])
+    h200 = dataclasses.replace(ssd_config(64, 64, jnp.float32, "NVIDIA H200"), store_kg=True, store_p=True,
+                               wy_pack=True)
+
+    def loss(q, k, v, la, beta):
+        return jnp.sum(gated_delta_rule_ssd(q, k, v, la, beta, scale=0.125, config=h200, device_kind="NVIDIA H200",
+                                            backward="pallas"))
+
+    x = jax.ShapeDtypeStruct((1, 2, 256, 64), jnp.float32)
+    g = jax.ShapeDtypeStruct((1, 2, 256), jnp.float32)
+    abstract = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="gpu")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=abstract)):
+        text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).trace(x, x, x, g, g).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert "ssd_wy_bwd" in text and "ssd_dqk" in text
+
+
 def test_small_f32_dot_lowers_and_matches():
     """small_f32_dot (the UT transform's 16 x 16 x 16 float32 products through f32_dot as well, a candidate
     for the float32 backward): forward and backward go through the Pallas Triton lowering for an abstract

@@ -428,6 +428,9 @@ class SSDConfig:
     product. ``store_kg`` (backward, with beta): the backward's precompute, which forms k k^T * G_strict
     for the UT transform anyway, also stores it ([B, H, T, C] float32) and the wy kernel reads it instead of
     forming k k^T. Each drops one data-sized product per chunk for one [T, C] float32 write and read.
+    ``wy_pack`` (backward, with beta, dk and dv padded to one width in one ``block_v``): the wy kernel pairs
+    the dk and dv columns of dw and du (and of w and u) into one operand, so its T^T products and dA take one
+    product per sub-block pair each instead of two (half as many products, each twice as wide).
     """
 
     block: int = 16
@@ -451,6 +454,7 @@ class SSDConfig:
     without_beta: tuple = ()
     store_p: bool = False
     store_kg: bool = False
+    wy_pack: bool = False
 
     def __post_init__(self):
         for name in ("block", "block_v", "state_block_v", "max_chunk", "dqk_block_k"):
@@ -466,7 +470,7 @@ class SSDConfig:
             raise ValueError(f"SSDConfig: state_stages must be a positive int, got {self.state_stages!r}")
         if self.f32_dot not in ("ieee", "tf32x3"):
             raise ValueError(f"SSDConfig: f32_dot must be 'ieee' or 'tf32x3', got {self.f32_dot!r}")
-        for name in ("reverse_rinc", "mh_kernel", "kdec", "ut_subst", "fuse_out", "store_p", "store_kg"):
+        for name in ("reverse_rinc", "mh_kernel", "kdec", "ut_subst", "fuse_out", "store_p", "store_kg", "wy_pack"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SSDConfig: {name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.small_f32_dot, bool):

@@ -205,6 +205,24 @@ def _dqk_kernel(*refs, names, st: Static):
         store_vec(r["dla"], rows[i], dla[i], st)
 
 
+def wy_packs(st: Static) -> bool:
+    """Whether the wy kernel pairs its dk and dv columns into one operand (``SSDConfig.wy_pack``: needs dk and dv
+    padded to one width, in one dv block)."""
+    return st.config.wy_pack and st.dkp == st.dvp and st.block_v() == st.dvp
+
+
+def _pair(a, b):
+    """[rows, n] a and b -> [rows, 2n] with their columns interleaved (a's at even, b's at odd): one operand for
+    a product that sums over both (the order of a sum's terms is free), through Triton's join."""
+    return jnp.stack([a, b], axis=-1).reshape(a.shape[0], 2 * a.shape[1])
+
+
+def _unpair(x):
+    """The inverse of :func:`_pair` (Triton's split)."""
+    a, b = jnp.split(x.reshape(x.shape[0], x.shape[1] // 2, 2), 2, axis=-1)
+    return a.reshape(a.shape[:2]), b.reshape(b.shape[:2])
+
+
 def _wy_kernel(*refs, names, st: Static):
     """One chunk: reverse mode of u = T (beta v), w = T (beta gamma k), T = (I + A)^-1, given du = dD and
     dw; adds dk1 and dla1 (from _dqk_kernel) into the final dk and d log_alpha. T is read (the backward's
@@ -212,7 +230,9 @@ def _wy_kernel(*refs, names, st: Static):
     not necessarily the UT transform's 16 x 16 ones.
 
     With d_bv = T^T du and d_bgk = T^T dw: dA = -(d_bv u^T + d_bgk w^T) (T^T du = d_bv, T (beta v) = u). With
-    ``SSDConfig.store_kg`` k k^T * G_strict is read ("kg"), not formed."""
+    ``SSDConfig.store_kg`` k k^T * G_strict is read ("kg"), not formed. With ``SSDConfig.wy_pack`` dw and du
+    (and w and u) are paired column by column into one operand, so d_bgk | d_bv = T^T [dw | du] and dA =
+    -[d_bgk | d_bv] [w | u]^T take one product per block pair each instead of two."""
     r = named(refs, names)
     sb = st.block("wy")
     rows = chunk_rows(st, sb)
@@ -222,17 +242,25 @@ def _wy_kernel(*refs, names, st: Static):
     beta = [load_vec(r["beta"], row, sb, st) for row in rows]
     t = {(i, j): load(r["t"], rows[i], sb, j * sb, sb, st) for i, j in pairs}
     dw = [mm(load(r["dw"], row, sb, 0, st.dkp, st), st) for row in rows]
-    d_bgk = [add_all(dot(t[i, j], dw[i], st, ta=True) for i in range(j, nb)) for j in range(nb)]
     w = [load(r["w"], row, sb, 0, st.dkp, st) for row in rows]
-    d_a = {(i, j): -dot(mm(d_bgk[i], st), w[j], st, tb=True) for i, j in pairs}
     dbeta = [jnp.zeros((sb,), F32)] * nb
     bv = st.block_v()
+    if wy_packs(st):   # SSDConfig.wy_pack: T^T [dw | du] and [d_bgk | d_bv] [w | u]^T, half the products
+        du = [mm(load(r["dd"], row, sb, 0, bv, st), st) for row in rows]
+        d_x = [add_all(dot(t[i, j], _pair(dw[i], du[i]), st, ta=True) for i in range(j, nb)) for j in range(nb)]
+        wu = [_pair(w[j], load(r["u"], row, sb, 0, bv, st)) for j, row in enumerate(rows)]
+        d_a = {(i, j): -dot(mm(d_x[i], st), wu[j], st, tb=True) for i, j in pairs}
+        d_bgk, d_bv = (list(x) for x in zip(*(_unpair(x) for x in d_x)))
+    else:
+        d_bgk = [add_all(dot(t[i, j], dw[i], st, ta=True) for i in range(j, nb)) for j in range(nb)]
+        d_a = {(i, j): -dot(mm(d_bgk[i], st), w[j], st, tb=True) for i, j in pairs}
     for c0 in range(0, st.dvp, bv):
-        du = [mm(load(r["dd"], row, sb, c0, bv, st), st) for row in rows]
-        d_bv = [add_all(dot(t[i, j], du[i], st, ta=True) for i in range(j, nb)) for j in range(nb)]
-        u = [load(r["u"], row, sb, c0, bv, st) for row in rows]
-        for i, j in pairs:
-            d_a[i, j] = d_a[i, j] - dot(mm(d_bv[i], st), u[j], st, tb=True)
+        if not wy_packs(st):
+            du = [mm(load(r["dd"], row, sb, c0, bv, st), st) for row in rows]
+            d_bv = [add_all(dot(t[i, j], du[i], st, ta=True) for i in range(j, nb)) for j in range(nb)]
+            u = [load(r["u"], row, sb, c0, bv, st) for row in rows]
+            for i, j in pairs:
+                d_a[i, j] = d_a[i, j] - dot(mm(d_bv[i], st), u[j], st, tb=True)
         for i, row in enumerate(rows):
             v = load(r["v"], row, sb, c0, bv, st, vcols).astype(F32)
             dbeta[i] = dbeta[i] + jnp.sum(v * d_bv[i], axis=1)
