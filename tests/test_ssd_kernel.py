@@ -258,7 +258,7 @@ def test_without_beta_overrides():
         st = ssd_module.make_static(inputs["q"], inputs["k"], inputs["v"], inputs.get("beta"), scale=0.125,
                                     chunk_size=64, interpret=True, config=None, device_kind="NVIDIA H200")
         assert st.config.block_v == block_v and st.block_v() == block_v
-        assert st.config == (cfg if with_beta else dataclasses.replace(cfg, block_v=32, without_beta=()))
+        assert st.config == (cfg if with_beta else dataclasses.replace(cfg, block_v=32, store_p=False, without_beta=()))
     inputs = make_inputs(23, 1, 2, 100, 64, 64, with_beta=False, with_state=True)
     assert_close(errors(ssd(64, config=cfg), inputs, seed=23), TOLERANCES["float32"])
     assert cfg.resolved(True) is cfg and SSDConfig().resolved(False) == SSDConfig()
@@ -526,7 +526,7 @@ def test_wy_pack_matches_and_lowers():
     assert not ssd_bwd.wy_packs(st_odd)
     assert_close(errors(ssd(64, scale=24 ** -0.5, config=cfg), odd, seed=38), TOLERANCES["float32"])
     h200 = dataclasses.replace(ssd_config(64, 64, jnp.float32, "NVIDIA H200"), store_kg=True, store_p=True,
-                               wy_pack=True)
+                               wy_pack=True, dqk_pack=True)
 
     def loss(q, k, v, la, beta):
         return jnp.sum(gated_delta_rule_ssd(q, k, v, la, beta, scale=0.125, config=h200, device_kind="NVIDIA H200",
@@ -539,6 +539,27 @@ def test_wy_pack_matches_and_lowers():
         text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).trace(x, x, x, g, g).lower(
             lowering_platforms=("cuda",)).as_text()
     assert "ssd_wy_bwd" in text and "ssd_dqk" in text
+
+
+@pytest.mark.parametrize("with_beta", [True, False])
+def test_dqk_pack_matches(with_beta):
+    """SSDConfig.dqk_pack: the dqk kernel forms dk = e_last D dh^T + dQK^T q as one product over paired columns
+    and log_alpha's gradient through e_last from D and k_dec dh (formed for dD). One chunk-wide sub-block of 32,
+    dv 32 in one block (dk = dv = 24, padded to 32), a partial last chunk, an initial state, with and without
+    beta (the transition form forms dD, or dv, in this kernel either way): every gradient matches the float64
+    recurrence and the unpacked kernel."""
+    from flashlax.kernels import ssd_bwd
+    base = dataclasses.replace(ssd_config(24, 24, jnp.float32, "cpu"), transition=True, block=64, block_v=64,
+                               store_p=True)
+    cfg = dataclasses.replace(base, dqk_pack=True)
+    inputs = make_inputs(41, 1, 2, 150, 24, 24, la_lo=-0.3, with_state=True, with_beta=with_beta)
+    st = ssd_module.make_static(inputs["q"], inputs["k"], inputs["v"], inputs.get("beta"), scale=1.0,
+                                chunk_size=32, interpret=True, config=cfg, device_kind="cpu")
+    assert ssd_bwd.dqk_packs(st, {"ddl": None})
+    got = errors(ssd(32, scale=24 ** -0.5, config=cfg), inputs, seed=41)
+    ref = errors(ssd(32, scale=24 ** -0.5, config=base), inputs, seed=41)
+    assert_close(got, TOLERANCES["float32"])
+    assert all(got[n] <= 2 * ref[n] + 1e-6 for n in ref), (got, ref)
 
 
 def test_small_f32_dot_lowers_and_matches():

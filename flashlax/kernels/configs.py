@@ -431,6 +431,9 @@ class SSDConfig:
     ``wy_pack`` (backward, with beta, dk and dv padded to one width in one ``block_v``): the wy kernel pairs
     the dk and dv columns of dw and du (and of w and u) into one operand, so its T^T products and dA take one
     product per sub-block pair each instead of two (half as many products, each twice as wide).
+    ``dqk_pack`` (backward; the dqk kernel on one chunk-wide sub-block, one dk pass, dD formed there and one
+    dv block as wide as the chunk): dk = e_last D dh^T + dQK^T q as one product over paired columns, and
+    log_alpha's gradient through e_last from D and k_dec dh^T (formed for dD anyway) instead of D dh^T.
     """
 
     block: int = 16
@@ -455,6 +458,7 @@ class SSDConfig:
     store_p: bool = False
     store_kg: bool = False
     wy_pack: bool = False
+    dqk_pack: bool = False
 
     def __post_init__(self):
         for name in ("block", "block_v", "state_block_v", "max_chunk", "dqk_block_k"):
@@ -470,7 +474,7 @@ class SSDConfig:
             raise ValueError(f"SSDConfig: state_stages must be a positive int, got {self.state_stages!r}")
         if self.f32_dot not in ("ieee", "tf32x3"):
             raise ValueError(f"SSDConfig: f32_dot must be 'ieee' or 'tf32x3', got {self.f32_dot!r}")
-        for name in ("reverse_rinc", "mh_kernel", "kdec", "ut_subst", "fuse_out", "store_p", "store_kg", "wy_pack"):
+        for name in ("reverse_rinc", "mh_kernel", "kdec", "ut_subst", "fuse_out", "store_p", "store_kg", "wy_pack", "dqk_pack"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SSDConfig: {name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.small_f32_dot, bool):
@@ -558,9 +562,14 @@ SSD_CONFIGS: dict[str, dict[tuple[int, str], SSDConfig]] = {
         # 0.312 -> 0.274 ms, forward 0.747 -> 0.703 in one process (gpu_ssd_ab.py; at 4 warps 0.343 / 0.760).
         # Session 23 (gpu_ssd.py variants, B2 H8 T8192): without beta, 32 dv columns per step in the chunk
         # kernels: dqk 0.892 vs 1.134 ms, fwd+bwd 1.320 vs 1.592 (with beta dqk 1.186 vs 1.060: not there).
+        # Session 24 (gpu_ssd_ab.py, B2 H8 T8192 with beta, fwd+bwd 3.687 ms shipped): store_p and store_kg
+        # 3.446 (dqk 1.059 -> 0.994, wy 1.066 -> 0.872); with wy_pack 3.397 (wy 0.815), its wy on 32-row
+        # sub-blocks 3.171 (wy 0.576), on one 64-row tile **2.905** (wy 0.304). Not measured without beta (the
+        # session 23 launch stays there: store_p off).
         (64, "32"): SSDConfig(block=64, block_v=64, state_block_v=16, state_stages=3, f32_dot="tf32x3",
-                              transition=True, mh_kernel=True, blocks=(("wy", 16),),
-                              without_beta=(("block_v", 32),)),
+                              transition=True, mh_kernel=True, blocks=(("wy", 64),), store_p=True,
+                              store_kg=True, wy_pack=True,
+                              without_beta=(("block_v", 32), ("store_p", False))),
         (128, "32"): SSDConfig(block=64, block_v=64, num_warps=8, state_block_v=16, state_stages=2,
                                f32_dot="tf32x3", warps=(("wy", 4), ("precompute", 4), ("out", 4), ("dout", 4))),
         (256, "32"): SSDConfig(block=16, block_v=32, num_warps=8, state_block_v=16, state_warps=8,

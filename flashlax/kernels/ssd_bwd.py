@@ -145,6 +145,7 @@ def _dqk_kernel(*refs, names, st: Static):
     d_decay = 0.0
     d_gamma = [jnp.zeros((sb,), F32)] * nb
     d_elast = [jnp.zeros((sb,), F32)] * nb
+    pack = dqk_packs(st, r)
     for k0 in range(0, st.dkp, bk):
         first = k0 == 0
         q = [load(r["q"], row, sb, k0, bk, st, kcols) for row in rows]
@@ -161,14 +162,17 @@ def _dqk_kernel(*refs, names, st: Static):
             d = chunk_delta(r, rows, sb, c0, bv, h_all, w, st)
             for i in range(nb):
                 d_qg[i] = d_qg[i] + dot(do[i], h, st, tb=True)
-                d_kdec[i] = d_kdec[i] + dot(d[i], dh, st, tb=True)
+                if not pack:
+                    d_kdec[i] = d_kdec[i] + dot(d[i], dh, st, tb=True)
             if st.has_beta or "dd_out" in r:
                 if "dd" in r:
                     dd = [load(r["dd"], row, sb, c0, bv, st) for row in rows]
                 else:
                     dh_all = dh if whole else mm(load_square(r["dh"], h_row, c0, st, bv), st)
-                    dd = [load(r["ddl"], row, sb, c0, bv, st) + dot(k_dec[i], dh_all, st)
-                          for i, row in enumerate(rows)]
+                    x = [dot(k_dec[i], dh_all, st) for i in range(nb)]
+                    dd = [load(r["ddl"], row, sb, c0, bv, st) + x[i] for i, row in enumerate(rows)]
+                    if pack:    # e_last (k . D dh^T) = rowsum(D * x) with x = k_dec dh, formed for dD anyway
+                        d_elast[0] = jnp.sum(d[0].astype(F32) * x[0], axis=1)
                     if first:
                         for i, row in enumerate(rows):
                             store(r["dd_out"], row, c0, dd[i], st, None if st.has_beta else vcols)
@@ -187,19 +191,25 @@ def _dqk_kernel(*refs, names, st: Static):
             dq = (st.scale * gamma[i])[:, None] * d_qg[i] + add_all(dot(mm(d_qk[i, j], st), k[j], st)
                                                                    for j in range(i + 1))
             store(r["dq"], rows[i], k0, dq, st, kcols)
-            dk = e_last[i][:, None] * d_kdec[i] + add_all(dot(mm(d_qk[m, i], st), q[m], st, ta=True)
-                                                           for m in range(i, nb))
+            if pack:     # [e_last D | dQK^T] [dh | q^T]^T = e_last D dh^T + dQK^T q, one product
+                dk = dot(_pair(mm(e_last[0][:, None] * d[0].astype(F32), st), mm(d_qk[0, 0], st).T),
+                         _pair(dh, q[0].T), st, tb=True)
+            else:
+                dk = e_last[i][:, None] * d_kdec[i] + add_all(dot(mm(d_qk[m, i], st), q[m], st, ta=True)
+                                                               for m in range(i, nb))
             store(r["dk"], rows[i], k0, dk, st, None if st.has_beta else kcols)
             if st.has_beta:
                 store(r["dw"], rows[i], k0, d_w[i], st)
             d_gamma[i] = d_gamma[i] + jnp.sum(q[i].astype(F32) * d_qg[i], axis=1)
-            d_elast[i] = d_elast[i] + jnp.sum(k[i].astype(F32) * d_kdec[i], axis=1)
+            if not pack:
+                d_elast[i] = d_elast[i] + jnp.sum(k[i].astype(F32) * d_kdec[i], axis=1)
     if "p" in r:       # d_qk * q k^T = dP * scale (q k^T * G) = dP * P (SSDConfig.store_p)
         d_exp = {(i, j): d_p[i, j] * load(r["p"], rows[i], sb, j * sb, sb, st) for i, j in pairs}
     else:
         d_exp = {key: d_qk[key] * qk[key] for key in pairs}
     d_gamma = [st.scale * d_gamma[i] * gamma[i] for i in range(nb)]
-    d_elast = [d_elast[i] * e_last[i] for i in range(nb)]
+    if not pack:     # (packed: formed with e_last already in x = k_dec dh)
+        d_elast = [d_elast[i] * e_last[i] for i in range(nb)]
     dla = dec.grad(d_exp, d_gamma, d_elast, d_decay * dec.chunk_decay())
     for i in range(nb):
         store_vec(r["dla"], rows[i], dla[i], st)
@@ -209,6 +219,13 @@ def wy_packs(st: Static) -> bool:
     """Whether the wy kernel pairs its dk and dv columns into one operand (``SSDConfig.wy_pack``: needs dk and dv
     padded to one width, in one dv block)."""
     return st.config.wy_pack and st.dkp == st.dvp and st.block_v() == st.dvp
+
+
+def dqk_packs(st: Static, r) -> bool:
+    """Whether the dqk kernel forms dk as one product over paired columns (``SSDConfig.dqk_pack``: one sub-block
+    of the whole chunk, one dk pass, dD formed here, and one dv block as wide as the chunk)."""
+    return (st.config.dqk_pack and st.block("dqk") == st.chunk and st.dqk_block_k() == st.dkp
+            and st.block_v() == st.dvp == st.chunk and "ddl" in r)
 
 
 def _pair(a, b):
