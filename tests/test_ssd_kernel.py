@@ -527,6 +527,9 @@ def test_wy_pack_matches_and_lowers():
     assert_close(errors(ssd(64, scale=24 ** -0.5, config=cfg), odd, seed=38), TOLERANCES["float32"])
     h200 = dataclasses.replace(ssd_config(64, 64, jnp.float32, "NVIDIA H200"), store_kg=True, store_p=True,
                                wy_pack=True, dqk_pack=True)
+    # the static shared-memory estimate counts the paired operands (two [64, 128] float32 tiles)
+    assert ssd_smem_bytes(h200, 64, 64, 64, jnp.float32) >= 2 * 64 * 128 * 4
+    check_ssd_config(h200, 64, 64, 64, jnp.float32, "NVIDIA H200")
 
     def loss(q, k, v, la, beta):
         return jnp.sum(gated_delta_rule_ssd(q, k, v, la, beta, scale=0.125, config=h200, device_kind="NVIDIA H200",

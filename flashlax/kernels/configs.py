@@ -513,7 +513,8 @@ def ssd_smem_bytes(config: SSDConfig, head_dim_k: int, head_dim_v: int, chunk: i
     ([C, dk] w, or q in the reverse pass; M_n [dk, dk] float32 in the transition form); the other dot
     operands are staged once for their layout change: a [C, dk] tile, the [dk, state_block_v] float32 state
     and a [C, state_block_v] float32 tile. Chunk kernels (no pipelined loop): the operands of their largest
-    dot, a [dk, block_v] float32 tile against a [block, dk] one. Head dims padded to powers of two (at least
+    dot, a [dk, block_v] float32 tile against a [block, dk] one (with wy_pack or dqk_pack two [block, dk + dv]
+    ones). Head dims padded to powers of two (at least
     16). A heuristic in the spirit of :func:`smem_bytes`, not yet compared with a compiled kernel's own
     number.
     """
@@ -528,6 +529,8 @@ def ssd_smem_bytes(config: SSDConfig, head_dim_k: int, head_dim_v: int, chunk: i
         sequential = (config.state_stages + 1) * dk * dk * 4 + 2 * dk * bv * 4
     block = max([config.block] + [b for _, b in config.blocks])
     chunked = dk * min(config.block_v, dv) * 4 + min(block, c) * dk * 4
+    if config.wy_pack or config.dqk_pack:   # paired operands: two [block, dk + dv] float32 tiles
+        chunked = max(chunked, 2 * min(block, c) * (dk + dv) * 4)
     return max(sequential, chunked)
 
 
