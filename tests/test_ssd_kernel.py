@@ -526,7 +526,7 @@ def test_wy_pack_matches_and_lowers():
     assert not ssd_bwd.wy_packs(st_odd)
     assert_close(errors(ssd(64, scale=24 ** -0.5, config=cfg), odd, seed=38), TOLERANCES["float32"])
     h200 = dataclasses.replace(ssd_config(64, 64, jnp.float32, "NVIDIA H200"), store_kg=True, store_p=True,
-                               wy_pack=True, dqk_pack=True)
+                               wy_pack=True, dqk_pack=True, dqk_pair_do=True)
     # the static shared-memory estimate counts the paired operands (two [64, 128] float32 tiles)
     assert ssd_smem_bytes(h200, 64, 64, 64, jnp.float32) >= 2 * 64 * 128 * 4
     check_ssd_config(h200, 64, 64, 64, jnp.float32, "NVIDIA H200")
@@ -544,21 +544,24 @@ def test_wy_pack_matches_and_lowers():
     assert "ssd_wy_bwd" in text and "ssd_dqk" in text
 
 
-@pytest.mark.parametrize("with_beta", [True, False])
-def test_dqk_pack_matches(with_beta):
+@pytest.mark.parametrize("with_beta, option", [(True, "dqk_pack"), (False, "dqk_pack"), (True, "dqk_pair_do"),
+                                               (False, "both")])
+def test_dqk_pack_matches(with_beta, option):
     """SSDConfig.dqk_pack: the dqk kernel forms dk = e_last D dh^T + dQK^T q as one product over paired columns
     and log_alpha's gradient through e_last from D and k_dec dh (formed for dD). One chunk-wide sub-block of 32,
     dv 32 in one block (dk = dv = 24, padded to 32), a partial last chunk, an initial state, with and without
     beta (the transition form forms dD, or dv, in this kernel either way): every gradient matches the float64
-    recurrence and the unpacked kernel."""
+    recurrence and the unpacked kernel. ``dqk_pair_do``: dP = dO D^T and dO h^T as one product, dO [D^T |
+    h^T] (dk padded to the chunk, 32)."""
     from flashlax.kernels import ssd_bwd
     base = dataclasses.replace(ssd_config(24, 24, jnp.float32, "cpu"), transition=True, block=64, block_v=64,
                                store_p=True)
-    cfg = dataclasses.replace(base, dqk_pack=True)
+    cfg = dataclasses.replace(base, dqk_pack=option in ("dqk_pack", "both"),
+                              dqk_pair_do=option in ("dqk_pair_do", "both"))
     inputs = make_inputs(41, 1, 2, 150, 24, 24, la_lo=-0.3, with_state=True, with_beta=with_beta)
     st = ssd_module.make_static(inputs["q"], inputs["k"], inputs["v"], inputs.get("beta"), scale=1.0,
                                 chunk_size=32, interpret=True, config=cfg, device_kind="cpu")
-    assert ssd_bwd.dqk_packs(st, {"ddl": None})
+    assert ssd_bwd.dqk_packs(st, {"ddl": None}) == cfg.dqk_pack and ssd_bwd.dqk_pairs_do(st) == cfg.dqk_pair_do
     got = errors(ssd(32, scale=24 ** -0.5, config=cfg), inputs, seed=41)
     ref = errors(ssd(32, scale=24 ** -0.5, config=base), inputs, seed=41)
     assert_close(got, TOLERANCES["float32"])

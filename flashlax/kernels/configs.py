@@ -434,6 +434,8 @@ class SSDConfig:
     ``dqk_pack`` (backward; the dqk kernel on one chunk-wide sub-block, one dk pass, dD formed there and one
     dv block as wide as the chunk): dk = e_last D dh^T + dQK^T q as one product over paired columns, and
     log_alpha's gradient through e_last from D and k_dec dh^T (formed for dD anyway) instead of D dh^T.
+    ``dqk_pair_do`` (backward; the dqk kernel on one chunk-wide sub-block, one dk pass, one dv block, dk padded
+    to the chunk): dP = dO D^T and dO h^T as one product, dO [D^T | h^T] over paired columns.
     """
 
     block: int = 16
@@ -459,6 +461,7 @@ class SSDConfig:
     store_kg: bool = False
     wy_pack: bool = False
     dqk_pack: bool = False
+    dqk_pair_do: bool = False
 
     def __post_init__(self):
         for name in ("block", "block_v", "state_block_v", "max_chunk", "dqk_block_k"):
@@ -474,7 +477,7 @@ class SSDConfig:
             raise ValueError(f"SSDConfig: state_stages must be a positive int, got {self.state_stages!r}")
         if self.f32_dot not in ("ieee", "tf32x3"):
             raise ValueError(f"SSDConfig: f32_dot must be 'ieee' or 'tf32x3', got {self.f32_dot!r}")
-        for name in ("reverse_rinc", "mh_kernel", "kdec", "ut_subst", "fuse_out", "store_p", "store_kg", "wy_pack", "dqk_pack"):
+        for name in ("reverse_rinc", "mh_kernel", "kdec", "ut_subst", "fuse_out", "store_p", "store_kg", "wy_pack", "dqk_pack", "dqk_pair_do"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SSDConfig: {name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.small_f32_dot, bool):
@@ -529,7 +532,7 @@ def ssd_smem_bytes(config: SSDConfig, head_dim_k: int, head_dim_v: int, chunk: i
         sequential = (config.state_stages + 1) * dk * dk * 4 + 2 * dk * bv * 4
     block = max([config.block] + [b for _, b in config.blocks])
     chunked = dk * min(config.block_v, dv) * 4 + min(block, c) * dk * 4
-    if config.wy_pack or config.dqk_pack:   # paired operands: two [block, dk + dv] float32 tiles
+    if config.wy_pack or config.dqk_pack or config.dqk_pair_do:   # paired operands: two [block, dk + dv] tiles
         chunked = max(chunked, 2 * min(block, c) * (dk + dv) * 4)
     return max(sequential, chunked)
 

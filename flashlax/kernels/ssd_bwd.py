@@ -146,6 +146,7 @@ def _dqk_kernel(*refs, names, st: Static):
     d_gamma = [jnp.zeros((sb,), F32)] * nb
     d_elast = [jnp.zeros((sb,), F32)] * nb
     pack = dqk_packs(st, r)
+    pair_do = dqk_pairs_do(st)
     for k0 in range(0, st.dkp, bk):
         first = k0 == 0
         q = [load(r["q"], row, sb, k0, bk, st, kcols) for row in rows]
@@ -161,7 +162,8 @@ def _dqk_kernel(*refs, names, st: Static):
             do = [load(r["do"], row, sb, c0, bv, st, vcols) for row in rows]
             d = chunk_delta(r, rows, sb, c0, bv, h_all, w, st)
             for i in range(nb):
-                d_qg[i] = d_qg[i] + dot(do[i], h, st, tb=True)
+                if not pair_do:
+                    d_qg[i] = d_qg[i] + dot(do[i], h, st, tb=True)
                 if not pack:
                     d_kdec[i] = d_kdec[i] + dot(d[i], dh, st, tb=True)
             if st.has_beta or "dd_out" in r:
@@ -179,7 +181,9 @@ def _dqk_kernel(*refs, names, st: Static):
                 if st.has_beta:
                     for i in range(nb):
                         d_w[i] = d_w[i] - dot(mm(dd[i], st), h, st, tb=True)
-            if first:
+            if first and pair_do:     # dO [D^T | h^T] = [dP | dO h^T], one product over paired columns
+                d_p[0, 0], d_qg[0] = _unpair(dot(do[0], _pair(d[0].T, h.T), st))
+            elif first:
                 for i, j in pairs:
                     d_p[i, j] = d_p[i, j] + dot(do[i], d[j], st, tb=True)
         if first:      # d(q k^T) through P = scale (q k^T * G)
@@ -226,6 +230,13 @@ def dqk_packs(st: Static, r) -> bool:
     of the whole chunk, one dk pass, dD formed here, and one dv block as wide as the chunk)."""
     return (st.config.dqk_pack and st.block("dqk") == st.chunk and st.dqk_block_k() == st.dkp
             and st.block_v() == st.dvp == st.chunk and "ddl" in r)
+
+
+def dqk_pairs_do(st: Static) -> bool:
+    """Whether the dqk kernel forms dP = dO D^T and dO h^T as one product (``SSDConfig.dqk_pair_do``: one
+    sub-block of the whole chunk, one dk pass, one dv block, and dk as wide as the chunk)."""
+    return (st.config.dqk_pair_do and st.block("dqk") == st.chunk and st.dqk_block_k() == st.dkp
+            and st.block_v() == st.dvp and st.dkp == st.chunk)
 
 
 def _pair(a, b):
