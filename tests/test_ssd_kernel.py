@@ -249,8 +249,8 @@ def test_matches_float64_reference_sweep(seed, seq_len, dk, dv, chunk, la_lo, wi
 
 def test_without_beta_overrides():
     """SSDConfig.without_beta: the shipped H200 float32 dk 64 entry runs 32 dv columns per step without beta
-    and its own 64 with beta; without beta, at dv 64 (two dv steps in every chunk kernel) against the float64
-    recurrence, with an initial state and a partial last chunk."""
+    and its own 64 with beta; both against the float64 recurrence at dk = dv = 64 (without beta two dv steps in
+    every chunk kernel), with an initial state and a partial last chunk."""
     cfg = ssd_config(64, 64, jnp.float32, "NVIDIA H200")
     assert cfg.block_v == 64 and dict(cfg.without_beta)["block_v"] == 32
     for with_beta, block_v in ((True, 64), (False, 32)):
@@ -259,8 +259,9 @@ def test_without_beta_overrides():
                                     chunk_size=64, interpret=True, config=None, device_kind="NVIDIA H200")
         assert st.config.block_v == block_v and st.block_v() == block_v
         assert st.config == (cfg if with_beta else dataclasses.replace(cfg, block_v=32, store_p=False, without_beta=()))
-    inputs = make_inputs(23, 1, 2, 100, 64, 64, with_beta=False, with_state=True)
-    assert_close(errors(ssd(64, config=cfg), inputs, seed=23), TOLERANCES["float32"])
+    for with_beta in (False, True):   # with beta: the entry as shipped (stored P and k k^T G, paired wy products)
+        inputs = make_inputs(23, 1, 2, 100, 64, 64, with_beta=with_beta, with_state=True)
+        assert_close(errors(ssd(64, config=cfg), inputs, seed=23), TOLERANCES["float32"])
     assert cfg.resolved(True) is cfg and SSDConfig().resolved(False) == SSDConfig()
 
 
