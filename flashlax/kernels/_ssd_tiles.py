@@ -421,6 +421,17 @@ def state_block(ref, row0, col0, st: Static, bv: int):
     return plgpu.load(ref.at[ds(row0, st.dkp), ds(col0, bv)], mask=mask, other=0.0).astype(F32)
 
 
+def store_chunk_matrix(ref, rows, blocks: dict, st: Static):
+    """One chunk's lower-triangular [C, C] matrix from its sub-blocks ``blocks`` {(i, j): [sb, sb]}, j <= i, into
+    a [T, C] ref (row r: row r % C of its chunk's matrix): every block, the zero ones above the diagonal too,
+    so a reader may cut the chunk into other sub-blocks (T, and SSDConfig.store_p / store_kg's P and KG)."""
+    sb = next(iter(blocks.values())).shape[0]
+    zero = jnp.zeros((sb, sb), F32)
+    for i, row in enumerate(rows):
+        for j in range(len(rows)):
+            store(ref, row, j * sb, blocks[i, j] if j <= i else zero, st)
+
+
 def store_state(ref, row0, col0, val, st: Static, user: bool = False):
     mask = None
     if user:

@@ -46,10 +46,10 @@ from jax.experimental import pallas as pl
 
 from flashlax.kernels._ssd_tiles import (F32, UT_BLOCK, Decays, Static, add_all, call, chunk_decays, chunk_delta,
                                          chunk_keys, chunk_rows, col_bound, dot, iota, load, load_square,
-                                         load_vec, mat_spec,
-                                         mm, named, p_blocks, per_chunk_arg, per_chunk_out, seq_arg, seq_out,
-                                         sequential_program, state_block, store, store_state, ut_apply, ut_blocks,
-                                         ut_diagonal, ut_solve, vec_spec)
+                                         load_vec, mat_spec, mm, named, p_blocks, per_chunk_arg, per_chunk_out,
+                                         seq_arg, seq_out, sequential_program, state_block, store,
+                                         store_chunk_matrix, store_state, ut_apply, ut_blocks, ut_diagonal,
+                                         ut_solve, vec_spec)
 from flashlax._precision import uses_tf32
 from flashlax.kernels.configs import FUSE_OUT_MAX_CHUNK, SSDConfig, check_ssd_config, ssd_config
 from flashlax.parallel.vma import cotangent_like, match_vma
@@ -82,15 +82,10 @@ def _precompute_kernel(*refs, names, st: Static):
         else:
             t, kk, g_strict = ut_blocks(k, beta, dec, st)
             t = {key: mm(x, st) for key, x in t.items()}
-            zero = jnp.zeros((sb, sb), F32)
-            if "t" in r:      # every block, the zero ones above the diagonal too (read as whole tiles)
-                for i in range(nb):
-                    for j in range(nb):
-                        store(r["t"], rows[i], j * sb, t[i, j] if j <= i else zero, st)
-            if "kg" in r:     # SSDConfig.store_kg: k k^T * G_strict for the wy kernel, float32, likewise
-                for i in range(nb):
-                    for j in range(nb):
-                        store(r["kg"], rows[i], j * sb, kk[i, j] * g_strict[i, j] if j <= i else zero, st)
+            if "t" in r:
+                store_chunk_matrix(r["t"], rows, t, st)
+            if "kg" in r:     # SSDConfig.store_kg: k k^T * G_strict for the wy kernel, float32
+                store_chunk_matrix(r["kg"], rows, {key: kk[key] * g_strict[key] for key in kk}, st)
             solve = functools.partial(ut_apply, t, st=st)
         w = solve([(beta[j] * dec.gamma(j))[:, None] * k[j].astype(F32) for j in range(nb)])
         for i in range(nb):

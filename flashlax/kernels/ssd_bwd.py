@@ -33,8 +33,8 @@ from flashlax.kernels import ssd
 from flashlax.kernels._ssd_tiles import (F32, Static, add_all, call, chunk_decays, chunk_delta, chunk_rows,
                                          chunk_keys, col_bound, dot, load, load_square, load_vec, mat_spec, mm,
                                          named, p_blocks, per_chunk_arg, per_chunk_out, seq_arg, seq_out,
-                                         sequential_program, state_block, store, store_state, store_vec,
-                                         vec_out, vec_spec)
+                                         sequential_program, state_block, store, store_chunk_matrix, store_state,
+                                         store_vec, vec_out, vec_spec)
 from flashlax.kernels._tiles import sum_all
 
 
@@ -51,11 +51,8 @@ def _dout_kernel(*refs, names, st: Static):
     k = [load(r["k"], row, sb, 0, st.dkp, st, kcols) for row in rows]
     dec = chunk_decays(r["la"], rows, sb, st)
     p = p_blocks(q, k, dec, st)
-    if "p" in r:        # SSDConfig.store_p: every block, the zero ones above the diagonal too, float32
-        zero = jnp.zeros((sb, sb), F32)
-        for i in range(nb):
-            for j in range(nb):
-                store(r["p"], rows[i], j * sb, p[i, j] if j <= i else zero, st)
+    if "p" in r:        # SSDConfig.store_p, float32
+        store_chunk_matrix(r["p"], rows, p, st)
     p = {key: mm(x, st) for key, x in p.items()}
     if "rinc" in r:
         q_g = [mm((st.scale * dec.gamma(i))[:, None] * q[i].astype(F32), st) for i in range(nb)]
@@ -225,18 +222,21 @@ def wy_packs(st: Static) -> bool:
     return st.config.wy_pack and st.dkp == st.dvp and st.block_v() == st.dvp
 
 
+def _dqk_one_tile(st: Static) -> bool:
+    """The dqk kernel works on one tile: one sub-block of the whole chunk, one dk pass, one dv block."""
+    return st.block("dqk") == st.chunk and st.dqk_block_k() == st.dkp and st.block_v() == st.dvp
+
+
 def dqk_packs(st: Static, r) -> bool:
-    """Whether the dqk kernel forms dk as one product over paired columns (``SSDConfig.dqk_pack``: one sub-block
-    of the whole chunk, one dk pass, dD formed here, and one dv block as wide as the chunk)."""
-    return (st.config.dqk_pack and st.block("dqk") == st.chunk and st.dqk_block_k() == st.dkp
-            and st.block_v() == st.dvp == st.chunk and "ddl" in r)
+    """Whether the dqk kernel forms dk as one product over paired columns (``SSDConfig.dqk_pack``: one tile,
+    dD formed here, and dv as wide as the chunk)."""
+    return st.config.dqk_pack and _dqk_one_tile(st) and st.dvp == st.chunk and "ddl" in r
 
 
 def dqk_pairs_do(st: Static) -> bool:
-    """Whether the dqk kernel forms dP = dO D^T and dO h^T as one product (``SSDConfig.dqk_pair_do``: one
-    sub-block of the whole chunk, one dk pass, one dv block, and dk as wide as the chunk)."""
-    return (st.config.dqk_pair_do and st.block("dqk") == st.chunk and st.dqk_block_k() == st.dkp
-            and st.block_v() == st.dvp and st.dkp == st.chunk)
+    """Whether the dqk kernel forms dP = dO D^T and dO h^T as one product (``SSDConfig.dqk_pair_do``: one tile,
+    and dk as wide as the chunk)."""
+    return st.config.dqk_pair_do and _dqk_one_tile(st) and st.dkp == st.chunk
 
 
 def _pair(a, b):
@@ -273,7 +273,8 @@ def _wy_kernel(*refs, names, st: Static):
     w = [load(r["w"], row, sb, 0, st.dkp, st) for row in rows]
     dbeta = [jnp.zeros((sb,), F32)] * nb
     bv = st.block_v()
-    if wy_packs(st):   # SSDConfig.wy_pack: T^T [dw | du] and [d_bgk | d_bv] [w | u]^T, half the products
+    pack = wy_packs(st)
+    if pack:           # SSDConfig.wy_pack: T^T [dw | du] and [d_bgk | d_bv] [w | u]^T, half the products
         du = [mm(load(r["dd"], row, sb, 0, bv, st), st) for row in rows]
         d_x = [add_all(dot(t[i, j], _pair(dw[i], du[i]), st, ta=True) for i in range(j, nb)) for j in range(nb)]
         wu = [_pair(w[j], load(r["u"], row, sb, 0, bv, st)) for j, row in enumerate(rows)]
@@ -283,7 +284,7 @@ def _wy_kernel(*refs, names, st: Static):
         d_bgk = [add_all(dot(t[i, j], dw[i], st, ta=True) for i in range(j, nb)) for j in range(nb)]
         d_a = {(i, j): -dot(mm(d_bgk[i], st), w[j], st, tb=True) for i, j in pairs}
     for c0 in range(0, st.dvp, bv):
-        if not wy_packs(st):
+        if not pack:
             du = [mm(load(r["dd"], row, sb, c0, bv, st), st) for row in rows]
             d_bv = [add_all(dot(t[i, j], du[i], st, ta=True) for i in range(j, nb)) for j in range(nb)]
             u = [load(r["u"], row, sb, c0, bv, st) for row in rows]
