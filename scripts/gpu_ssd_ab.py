@@ -51,6 +51,7 @@ VARIANTS = {"shipped": {}, "kdec": dict(kdec=True), "s3": dict(state_stages=3),
             "dqkpack": dict(dqk_pack=True), "dqkpairdo": dict(dqk_pair_do=True),
             "dqkpack pairdo": dict(dqk_pack=True, dqk_pair_do=True),
             "dqkpack pairdo w8": dict(dqk_pack=True, dqk_pair_do=True, warps=(("dqk", 8),)),
+            "lean": dict(dqk_lean=True), "lean w8": dict(dqk_lean=True, warps=(("dqk", 8),)),
             "sp skg wy32": dict(store_p=True, store_kg=True, blocks=(("wy", 32),)),
             # chunks of 128 (the same function, other roundings): half the chunk programs and sequential steps
             "c128": dict(chunk=128), "c128 w8": dict(chunk=128, num_warps=8),

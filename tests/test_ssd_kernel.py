@@ -503,6 +503,21 @@ def test_stored_p_and_kg_match(with_beta, transition, dtype):
         assert all(got[n] <= 2 * ref[n] + 1e-6 for n in ref), (got, ref)
 
 
+def _h200_backward_lowered(cfg) -> str:
+    """The float32 dk 64 backward with beta (Pallas backward, ``cfg``) lowered through Pallas' Triton lowering
+    for an abstract H200: its StableHLO text."""
+    def loss(q, k, v, la, beta):
+        return jnp.sum(gated_delta_rule_ssd(q, k, v, la, beta, scale=0.125, config=cfg, device_kind="NVIDIA H200",
+                                            backward="pallas"))
+
+    x = jax.ShapeDtypeStruct((1, 2, 256, 64), jnp.float32)
+    g = jax.ShapeDtypeStruct((1, 2, 256), jnp.float32)
+    abstract = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="gpu")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=abstract)):
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).trace(x, x, x, g, g).lower(
+            lowering_platforms=("cuda",)).as_text()
+
+
 def test_wy_pack_matches_and_lowers():
     """SSDConfig.wy_pack: the wy kernel pairs dw with du and w with u column by column (Triton join / split), so
     T^T [dw | du] and [d_bgk | d_bv] [w | u]^T are one product per sub-block pair each. dk == dv (24, padded to
@@ -532,16 +547,7 @@ def test_wy_pack_matches_and_lowers():
     assert ssd_smem_bytes(h200, 64, 64, 64, jnp.float32) >= 2 * 64 * 128 * 4
     check_ssd_config(h200, 64, 64, 64, jnp.float32, "NVIDIA H200")
 
-    def loss(q, k, v, la, beta):
-        return jnp.sum(gated_delta_rule_ssd(q, k, v, la, beta, scale=0.125, config=h200, device_kind="NVIDIA H200",
-                                            backward="pallas"))
-
-    x = jax.ShapeDtypeStruct((1, 2, 256, 64), jnp.float32)
-    g = jax.ShapeDtypeStruct((1, 2, 256), jnp.float32)
-    abstract = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="gpu")
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=abstract)):
-        text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).trace(x, x, x, g, g).lower(
-            lowering_platforms=("cuda",)).as_text()
+    text = _h200_backward_lowered(h200)
     assert "ssd_wy_bwd" in text and "ssd_dqk" in text
 
 
@@ -567,6 +573,37 @@ def test_dqk_pack_matches(with_beta, option):
     ref = errors(ssd(32, scale=24 ** -0.5, config=base), inputs, seed=41)
     assert_close(got, TOLERANCES["float32"])
     assert all(got[n] <= 2 * ref[n] + 1e-6 for n in ref), (got, ref)
+
+
+@pytest.mark.parametrize("with_beta, transition, store_p", [(True, True, True), (True, False, False),
+                                                        (False, True, False), (False, False, True)])
+def test_dqk_lean_matches(with_beta, transition, store_p):
+    """SSDConfig.dqk_lean: the one-tile dqk kernel with its steps reordered (inputs loaded at first use). Every
+    path it has: dD formed here (transition) or read, D formed from u and w or stored, P read (store_p) or
+    q k^T formed, with and without beta (without: dv formed here or by the reverse pass). dk = dv = 24 (padded
+    to 32), one chunk-wide sub-block of 32, a partial last chunk, an initial state: every gradient matches the
+    float64 recurrence and, element by element, the general dqk kernel's."""
+    from flashlax.kernels import ssd_bwd
+    base = dataclasses.replace(ssd_config(24, 24, jnp.float32, "cpu"), transition=transition, block=64,
+                               block_v=64, store_p=store_p)
+    cfg = dataclasses.replace(base, dqk_lean=True)
+    inputs = make_inputs(43, 1, 2, 150, 24, 24, la_lo=-0.3, with_state=True, with_beta=with_beta)
+    st = ssd_module.make_static(inputs["q"], inputs["k"], inputs["v"], inputs.get("beta"), scale=1.0,
+                                chunk_size=32, interpret=True, config=cfg, device_kind="cpu")
+    assert ssd_bwd.dqk_lean(st) and not ssd_bwd.dqk_lean(dataclasses.replace(st, config=base))
+    lean = ssd(32, config=cfg)
+    assert_close(errors(lean, inputs, seed=43), TOLERANCES["float32"])
+    cot = random_cotangents(inputs, 43)
+    names = tuple(inputs)
+    got = _jitted_grads(lean, names)(tuple(inputs[n] for n in names), cot)[2]
+    want = _jitted_grads(ssd(32, config=base), names)(tuple(inputs[n] for n in names), cot)[2]
+    for name in want:
+        scale = float(jnp.max(jnp.abs(want[name])))
+        np.testing.assert_allclose(np.asarray(got[name]), np.asarray(want[name]), rtol=0, atol=2e-6 * scale,
+                                   err_msg=name)
+    if with_beta and transition and store_p:    # the H200 entry with dqk_lean lowers through Pallas' Triton lowering
+        assert "ssd_dqk" in _h200_backward_lowered(
+            dataclasses.replace(ssd_config(64, 64, jnp.float32, "NVIDIA H200"), dqk_lean=True))
 
 
 def test_small_f32_dot_lowers_and_matches():

@@ -436,6 +436,9 @@ class SSDConfig:
     log_alpha's gradient through e_last from D and k_dec dh^T (formed for dD anyway) instead of D dh^T.
     ``dqk_pair_do`` (backward; the dqk kernel on one chunk-wide sub-block, one dk pass, one dv block, dk padded
     to the chunk): dP = dO D^T and dO h^T as one product, dO [D^T | h^T] over paired columns.
+    ``dqk_lean`` (backward; the dqk kernel on one chunk-wide sub-block, one dk pass, one dv block): the same
+    products in an order that keeps fewer float32 tiles live (inputs loaded at first use, operands dying
+    early); the pairing options do not apply to it.
     """
 
     block: int = 16
@@ -462,6 +465,7 @@ class SSDConfig:
     wy_pack: bool = False
     dqk_pack: bool = False
     dqk_pair_do: bool = False
+    dqk_lean: bool = False
 
     def __post_init__(self):
         for name in ("block", "block_v", "state_block_v", "max_chunk", "dqk_block_k"):
@@ -478,7 +482,7 @@ class SSDConfig:
         if self.f32_dot not in ("ieee", "tf32x3"):
             raise ValueError(f"SSDConfig: f32_dot must be 'ieee' or 'tf32x3', got {self.f32_dot!r}")
         for name in ("reverse_rinc", "mh_kernel", "kdec", "ut_subst", "fuse_out", "store_p", "store_kg", "wy_pack",
-                     "dqk_pack", "dqk_pair_do"):
+                     "dqk_pack", "dqk_pair_do", "dqk_lean"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SSDConfig: {name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.small_f32_dot, bool):

@@ -216,6 +216,61 @@ def _dqk_kernel(*refs, names, st: Static):
         store_vec(r["dla"], rows[i], dla[i], st)
 
 
+def _dqk_lean_kernel(*refs, names, st: Static):
+    """:func:`_dqk_kernel` on one chunk-wide tile (one dk pass, one dv block), its steps ordered so that few
+    [C, C]-sized float32 tiles are live at once (``SSDConfig.dqk_lean``): each input is loaded where it is
+    first used and each product's operands die as early as the algebra allows (k and q are loaded for the last
+    products only). log_alpha's gradient is linear in its pieces, so the P part is reduced to a vector as soon
+    as dP is formed."""
+    r = named(refs, names)
+    c = st.chunk
+    row = chunk_rows(st, c)[0]
+    kcols, vcols = col_bound(st.dk, st.dkp), col_bound(st.dv, st.dvp)
+    dec = chunk_decays(r["la"], [row], c, st)
+    h_row = pl.program_id(0) * st.dkp
+    h = load_square(r["h"], h_row, 0, st, st.dvp, st.dkp)
+    dh = load_square(r["dh"], h_row, 0, st, st.dvp, st.dkp)
+    d_total = sum_all(h.astype(F32) * dh) * dec.chunk_decay()
+    h, dh = mm(h, st), mm(dh, st)
+    w = [load(r["w"], row, c, 0, st.dkp, st)] if "w" in r else None
+    d = chunk_delta(r, [row], c, 0, st.dvp, h, w, st)[0]
+    e_last = dec.e_last(0)
+    if st.has_beta or "dd_out" in r:
+        if "dd" in r:
+            dd = load(r["dd"], row, c, 0, st.dvp, st)
+        else:
+            k_dec = mm(e_last[:, None] * load(r["k"], row, c, 0, st.dkp, st, kcols).astype(F32), st)
+            dd = load(r["ddl"], row, c, 0, st.dvp, st) + dot(k_dec, dh, st)
+            store(r["dd_out"], row, 0, dd, st, None if st.has_beta else vcols)
+        if st.has_beta:
+            store(r["dw"], row, 0, -dot(mm(dd, st), h, st, tb=True), st)
+    d_kdec = dot(d, dh, st, tb=True)
+    do = load(r["do"], row, c, 0, st.dvp, st, vcols)
+    d_qg = dot(do, h, st, tb=True)
+    d_p = dot(do, d, st, tb=True)
+    d_qk = st.scale * d_p * dec.G(0, 0)
+    if "p" in r:       # d_qk * q k^T = dP * P (SSDConfig.store_p)
+        dla = dec.grad({(0, 0): d_p * load(r["p"], row, c, 0, c, st)})[0]
+    q = load(r["q"], row, c, 0, st.dkp, st, kcols)
+    k = load(r["k"], row, c, 0, st.dkp, st, kcols)
+    if "p" not in r:
+        dla = dec.grad({(0, 0): d_qk * dot(q, k, st, tb=True)})[0]
+    d_qk = mm(d_qk, st)
+    gamma = dec.gamma(0)
+    store(r["dq"], row, 0, (st.scale * gamma)[:, None] * d_qg + dot(d_qk, k, st), st, kcols)
+    d_gamma = st.scale * gamma * jnp.sum(q.astype(F32) * d_qg, axis=1)
+    store(r["dk"], row, 0, e_last[:, None] * d_kdec + dot(d_qk, q, st, ta=True), st,
+          None if st.has_beta else kcols)
+    d_elast = e_last * jnp.sum(k.astype(F32) * d_kdec, axis=1)
+    dla = dla + dec.grad({}, [d_gamma], [d_elast], d_total)[0]
+    store_vec(r["dla"], row, dla, st)
+
+
+def dqk_lean(st: Static) -> bool:
+    """Whether the dqk kernel is :func:`_dqk_lean_kernel` (``SSDConfig.dqk_lean`` and one tile)."""
+    return st.config.dqk_lean and _dqk_one_tile(st)
+
+
 def wy_packs(st: Static) -> bool:
     """Whether the wy kernel pairs its dk and dv columns into one operand (``SSDConfig.wy_pack``: needs dk and dv
     padded to one width, in one dv block)."""
@@ -396,7 +451,8 @@ def dqk_call(st: Static, q, k, v, la, do, pre: dict, states: dict, dout: dict, r
     outputs["dla"] = vec_out(st, bh)
     if "dd" not in rev:
         outputs["dd_out"] = seq_out(st, bh, st.dvp, F32) if st.has_beta else seq_out(st, bh, st.dvp, v.dtype, st.dv)
-    return call(_dqk_kernel, st, st.n_chunks, inputs, outputs, name="ssd_dqk")
+    kernel = _dqk_lean_kernel if dqk_lean(st) else _dqk_kernel
+    return call(kernel, st, st.n_chunks, inputs, outputs, name="ssd_dqk")
 
 
 def wy_call(st: Static, k, v, la, beta, pre: dict, dd, dqk: dict) -> dict:
