@@ -52,6 +52,8 @@ VARIANTS = {"shipped": {}, "kdec": dict(kdec=True), "s3": dict(state_stages=3),
             "dqkpack pairdo": dict(dqk_pack=True, dqk_pair_do=True),
             "dqkpack pairdo w8": dict(dqk_pack=True, dqk_pair_do=True, warps=(("dqk", 8),)),
             "lean": dict(dqk_lean=True), "lean w8": dict(dqk_lean=True, warps=(("dqk", 8),)),
+            "savet": dict(save_t=True), "lean savet": dict(dqk_lean=True, save_t=True),
+            "lean savet wu8": dict(dqk_lean=True, save_t=True, warps=(("wu", 8),)),
             "sp skg wy32": dict(store_p=True, store_kg=True, blocks=(("wy", 32),)),
             # chunks of 128 (the same function, other roundings): half the chunk programs and sequential steps
             "c128": dict(chunk=128), "c128 w8": dict(chunk=128, num_warps=8),

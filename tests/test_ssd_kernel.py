@@ -575,6 +575,20 @@ def test_dqk_pack_matches(with_beta, option):
     assert all(got[n] <= 2 * ref[n] + 1e-6 for n in ref), (got, ref)
 
 
+def _assert_matches_float64_and(fn, other, inputs, seed):
+    """fn's output, final state and gradients match the float64 recurrence, and its gradients match other's
+    element by element (2e-6 of each gradient's largest magnitude)."""
+    assert_close(errors(fn, inputs, seed=seed), TOLERANCES["float32"])
+    cot = random_cotangents(inputs, seed)
+    names = tuple(inputs)
+    got = _jitted_grads(fn, names)(tuple(inputs[n] for n in names), cot)[2]
+    want = _jitted_grads(other, names)(tuple(inputs[n] for n in names), cot)[2]
+    for name in want:
+        scale = float(jnp.max(jnp.abs(want[name])))
+        np.testing.assert_allclose(np.asarray(got[name]), np.asarray(want[name]), rtol=0, atol=2e-6 * scale,
+                                   err_msg=name)
+
+
 @pytest.mark.parametrize("with_beta, transition, store_p", [(True, True, True), (True, False, False),
                                                         (False, True, False), (False, False, True)])
 def test_dqk_lean_matches(with_beta, transition, store_p):
@@ -591,19 +605,43 @@ def test_dqk_lean_matches(with_beta, transition, store_p):
     st = ssd_module.make_static(inputs["q"], inputs["k"], inputs["v"], inputs.get("beta"), scale=1.0,
                                 chunk_size=32, interpret=True, config=cfg, device_kind="cpu")
     assert ssd_bwd.dqk_lean(st) and not ssd_bwd.dqk_lean(dataclasses.replace(st, config=base))
-    lean = ssd(32, config=cfg)
-    assert_close(errors(lean, inputs, seed=43), TOLERANCES["float32"])
-    cot = random_cotangents(inputs, 43)
-    names = tuple(inputs)
-    got = _jitted_grads(lean, names)(tuple(inputs[n] for n in names), cot)[2]
-    want = _jitted_grads(ssd(32, config=base), names)(tuple(inputs[n] for n in names), cot)[2]
-    for name in want:
-        scale = float(jnp.max(jnp.abs(want[name])))
-        np.testing.assert_allclose(np.asarray(got[name]), np.asarray(want[name]), rtol=0, atol=2e-6 * scale,
-                                   err_msg=name)
+    _assert_matches_float64_and(ssd(32, config=cfg), ssd(32, config=base), inputs, seed=43)
     if with_beta and transition and store_p:    # the H200 entry with dqk_lean lowers through Pallas' Triton lowering
         assert "ssd_dqk" in _h200_backward_lowered(
             dataclasses.replace(ssd_config(64, 64, jnp.float32, "NVIDIA H200"), dqk_lean=True))
+
+
+@pytest.mark.parametrize("transition, store_kg, kdec", [(True, True, False), (False, False, True)])
+def test_save_t_matches_and_saves_t(transition, store_kg, kdec):
+    """SSDConfig.save_t: the forward under differentiation saves T and the backward forms w, u (and M, H, KG,
+    k_dec as the config asks) from it in one kernel instead of inverting again. A partial last chunk and an
+    initial state: every gradient matches the float64 recurrence and, element by element, the backward that
+    inverts again; the residuals are the inputs and T alone (one [B, H, T, C] array in the input dtype), and
+    without beta nothing is saved. The H200 entry with save_t lowers through Pallas' Triton lowering."""
+    from flashlax._residuals import residual_bytes
+    base = dataclasses.replace(ssd_config(24, 24, jnp.float32, "cpu"), transition=transition, store_kg=store_kg,
+                               kdec=kdec, block=64, blocks=(("wy", 16),))
+    cfg = dataclasses.replace(base, save_t=True)
+    inputs = make_inputs(45, 1, 2, 150, 24, 24, la_lo=-0.3, with_state=True)
+    saving = ssd(32, config=cfg)
+    _assert_matches_float64_and(saving, ssd(32, config=base), inputs, seed=45)
+    args = [jax.ShapeDtypeStruct(inputs[n].shape, inputs[n].dtype)
+            for n in ("q", "k", "v", "log_alpha", "beta", "initial_state")]
+
+    def residuals(fn, with_beta=True):
+        if with_beta:
+            return residual_bytes(lambda q, k, v, la, b, s: fn(q, k, v, la, b, initial_state=s), *args)
+        return residual_bytes(lambda q, k, v, la, s: fn(q, k, v, la, initial_state=s), *args[:4], args[5])
+
+    assert residuals(saving) == (1 * 2 * 150 * 32 * 4, ["float32[1,2,150,32]"])
+    assert residuals(ssd(32, config=base)) == (0, [])
+    assert residuals(saving, with_beta=False) == (0, [])
+    # the static shared-memory estimate counts the wu kernel's chunk-wide tiles (k k^T: two [64, 256] float32)
+    assert ssd_smem_bytes(dataclasses.replace(cfg, max_chunk=64), 256, 256, 64, jnp.float32) >= 2 * 64 * 256 * 4
+    if transition:
+        text = _h200_backward_lowered(dataclasses.replace(ssd_config(64, 64, jnp.float32, "NVIDIA H200"),
+                                                          save_t=True, dqk_lean=True))
+        assert "ssd_wu" in text and "ssd_dqk" in text
 
 
 def test_small_f32_dot_lowers_and_matches():

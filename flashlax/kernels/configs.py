@@ -378,7 +378,7 @@ def num_sms(device_kind: str | None = None) -> int:
 
 # The ssd kernels by name (SSDConfig.warps; the pallas_call names are "ssd_<name>", the wy one "ssd_wy_bwd").
 FUSE_OUT_MAX_CHUNK = 64    # SSDConfig.fuse_out: larger chunks run unfused (P [C, C] and the q, k stages)
-SSD_KERNELS = ("precompute", "mh", "state", "out", "dout", "reverse", "dqk", "wy")
+SSD_KERNELS = ("precompute", "mh", "state", "out", "dout", "reverse", "dqk", "wy", "wu")
 SSD_BLOCK_KERNELS = ("mh", "out", "dout", "dqk", "wy")     # the chunk kernels whose sub-block SSDConfig.blocks sets
 
 
@@ -439,6 +439,9 @@ class SSDConfig:
     ``dqk_lean`` (backward; the dqk kernel on one chunk-wide sub-block, one dk pass, one dv block): the same
     products in an order that keeps fewer float32 tiles live (inputs loaded at first use, operands dying
     early); the pairing options do not apply to it.
+    ``save_t`` (with beta, Pallas backward): the forward under differentiation also stores the UT transform's
+    T ([B, H, T, C] in the input dtype: one more residual the size of a [T, C] input) and the backward forms
+    w = T (beta gamma k) and u = T (beta v) from it instead of inverting again (as fla saves its A).
     """
 
     block: int = 16
@@ -466,6 +469,7 @@ class SSDConfig:
     dqk_pack: bool = False
     dqk_pair_do: bool = False
     dqk_lean: bool = False
+    save_t: bool = False
 
     def __post_init__(self):
         for name in ("block", "block_v", "state_block_v", "max_chunk", "dqk_block_k"):
@@ -482,7 +486,7 @@ class SSDConfig:
         if self.f32_dot not in ("ieee", "tf32x3"):
             raise ValueError(f"SSDConfig: f32_dot must be 'ieee' or 'tf32x3', got {self.f32_dot!r}")
         for name in ("reverse_rinc", "mh_kernel", "kdec", "ut_subst", "fuse_out", "store_p", "store_kg", "wy_pack",
-                     "dqk_pack", "dqk_pair_do", "dqk_lean"):
+                     "dqk_pack", "dqk_pair_do", "dqk_lean", "save_t"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SSDConfig: {name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.small_f32_dot, bool):
@@ -522,7 +526,7 @@ def ssd_smem_bytes(config: SSDConfig, head_dim_k: int, head_dim_v: int, chunk: i
     operands are staged once for their layout change: a [C, dk] tile, the [dk, state_block_v] float32 state
     and a [C, state_block_v] float32 tile. Chunk kernels (no pipelined loop): the operands of their largest
     dot, a [dk, block_v] float32 tile against a [block, dk] one (with wy_pack or dqk_pack two [block, dk + dv]
-    ones). Head dims padded to powers of two (at least
+    ones; with save_t the wu kernel's chunk-wide tiles). Head dims padded to powers of two (at least
     16). A heuristic in the spirit of :func:`smem_bytes`, not yet compared with a compiled kernel's own
     number.
     """
@@ -539,6 +543,8 @@ def ssd_smem_bytes(config: SSDConfig, head_dim_k: int, head_dim_v: int, chunk: i
     chunked = dk * min(config.block_v, dv) * 4 + min(block, c) * dk * 4
     if config.wy_pack or config.dqk_pack or config.dqk_pair_do:   # paired operands: two [block, dk + dv] tiles
         chunked = max(chunked, 2 * min(block, c) * (dk + dv) * 4)
+    if config.save_t:     # the wu kernel: [C, C] T against a [C, block_v] tile, and k k^T on [C, dk] tiles
+        chunked = max(chunked, c * c * 4 + c * max(dk, min(config.block_v, dv)) * 4, 2 * c * dk * 4)
     return max(sequential, chunked)
 
 

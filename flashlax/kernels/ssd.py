@@ -209,7 +209,7 @@ def _output_kernel(*refs, names, st: Static):
             store(r["o"], rows[i], c0, o, st, col_bound(st.dv, st.dvp))
 
 
-def precompute_call(st: Static, k, v, la, beta, emit_t: bool = False) -> dict:
+def precompute_call(st: Static, k, v, la, beta, emit_t: bool = False, emit_kg: bool | None = None) -> dict:
     """The per-chunk parallel precompute: w, u [B, H, T, dkp / dvp] in the input dtype (with beta; with
     ``st.kdec`` also k_dec [B, H, T, dkp], k decayed to its chunk's end, for the state pass), and with
     ``emit_t`` T [B, H, T, C] (row r: row r % C of its chunk's T; input dtype; with ``SSDConfig.store_kg`` also
@@ -224,7 +224,7 @@ def precompute_call(st: Static, k, v, la, beta, emit_t: bool = False) -> dict:
             outputs["kdec"] = seq_out(st, bh, st.dkp, st.mm_dtype)
         if emit_t:
             outputs["t"] = seq_out(st, bh, st.chunk, st.mm_dtype)
-            if st.config.store_kg:
+            if st.config.store_kg if emit_kg is None else emit_kg:
                 outputs["kg"] = seq_out(st, bh, st.chunk, F32)
     if st.transition and not st.mh_kernel:
         if st.has_beta:
@@ -239,6 +239,52 @@ def precompute_call(st: Static, k, v, la, beta, emit_t: bool = False) -> dict:
     if st.transition and st.mh_kernel:
         pre.update(mh_call(st, k, la, pre))
     return pre
+
+
+def _wu_kernel(*refs, names, st: Static):
+    """One chunk of the backward's precompute from the saved T (``SSDConfig.save_t``), on one chunk-wide tile:
+    w = T (beta gamma k) and u = T (beta v) as [C, C] x [C, d] products; with "kg" also k k^T * G_strict (the wy
+    kernel's, ``SSDConfig.store_kg``); with ``st.transition`` M and H; with ``st.kdec`` k_dec stored."""
+    r = named(refs, names)
+    c = st.chunk
+    row = chunk_rows(st, c)[0]
+    row_m = pl.program_id(0) * st.dkp
+    dec = chunk_decays(r["la"], [row], c, st)
+    beta = load_vec(r["beta"], row, c, st)
+    k = load(r["k"], row, c, 0, st.dkp, st, col_bound(st.dk, st.dkp))
+    if "kg" in r:
+        store(r["kg"], row, 0, dot(k, k, st, tb=True) * dec.G(0, 0, strict=True), st)
+    t = mm(load(r["t"], row, c, 0, c, st), st)
+    w = dot(t, mm((beta * dec.gamma(0))[:, None] * k.astype(F32), st), st)
+    store(r["w"], row, 0, w, st)
+    k_dec = decayed_keys([k], dec, st)
+    if "kdec" in r:
+        store(r["kdec"], row, 0, k_dec[0], st)
+    if "m" in r:
+        store_state(r["m"], row_m, 0, transition_matrix(k_dec, [w], dec, st), st)
+    bv = st.block_v()
+    for c0 in range(0, st.dvp, bv):
+        v = load(r["v"], row, c, c0, bv, st, col_bound(st.dv, st.dvp)).astype(F32)
+        u = dot(t, mm(beta[:, None] * v, st), st)
+        store(r["u"], row, c0, u, st)
+        if "inc" in r:
+            store_state(r["inc"], row_m, c0, transposed_product(k_dec, [u], st), st)
+
+
+def wu_call(st: Static, k, v, la, beta, t) -> dict:
+    """The backward's precompute from the forward's saved T (``SSDConfig.save_t``, with beta): the outputs of
+    ``precompute_call(..., emit_t=True)``, T itself passed through."""
+    bh = k.shape[:2]
+    outputs = {"w": seq_out(st, bh, st.dkp, st.mm_dtype), "u": seq_out(st, bh, st.dvp, st.mm_dtype)}
+    if st.kdec:
+        outputs["kdec"] = seq_out(st, bh, st.dkp, st.mm_dtype)
+    if st.config.store_kg:
+        outputs["kg"] = seq_out(st, bh, st.chunk, F32)
+    if st.transition:
+        outputs.update(m=per_chunk_out(st, bh, st.dkp), inc=per_chunk_out(st, bh, st.dvp))
+    inputs = dict(k=seq_arg(k, st, st.dkp), v=seq_arg(v, st, st.dvp), la=(la, vec_spec(st)),
+                  beta=(beta, vec_spec(st)), t=seq_arg(t, st, st.chunk))
+    return {**call(_wu_kernel, st, st.n_chunks, inputs, outputs, name="ssd_wu"), "t": t}
 
 
 def mh_call(st: Static, k, la, pre: dict) -> dict:
@@ -305,9 +351,10 @@ def output_call(st: Static, q, k, v, la, pre: dict, states: dict):
 # custom_vjp and entry point
 # ----------------------------------------------------------------------------------------------------
 
-def forward(st: Static, q, k, v, la, beta, s0):
-    """(o, final state)."""
-    pre = precompute_call(st, k, v, la, beta)
+def forward(st: Static, q, k, v, la, beta, s0, pre: dict | None = None):
+    """(o, final state); ``pre``: the precompute's outputs when already formed."""
+    if pre is None:
+        pre = precompute_call(st, k, v, la, beta)
     if fuses_output(st):
         states = state_call(st, k, v, la, s0, pre, q=q)
         return states["o"], states["final"]
@@ -326,11 +373,20 @@ def _ssd(q, k, v, la, beta, s0, st: Static):
     return forward(st, q, k, v, la, beta, s0)
 
 
+def saves_t(st: Static) -> bool:
+    """Whether the forward saves T for the Pallas backward (``SSDConfig.save_t``, with beta)."""
+    return st.config.save_t and st.has_beta and st.backward != "xla"
+
+
 def _ssd_fwd(q, k, v, la, beta, s0, st):
-    return forward(st, q, k, v, la, beta, s0), (q, k, v, la, beta, s0)       # residuals: the inputs only
+    if not saves_t(st):
+        return forward(st, q, k, v, la, beta, s0), (q, k, v, la, beta, s0, None)     # residuals: the inputs
+    pre = precompute_call(st, k, v, la, beta, emit_t=True, emit_kg=False)
+    return forward(st, q, k, v, la, beta, s0, pre), (q, k, v, la, beta, s0, pre["t"])   # and T
 
 
 def _ssd_bwd(st, res, cts):
+    res, t = res[:6], res[6]
     if st.backward == "xla":
         # the chunked XLA path's backward: the same residuals (the inputs), recomputes in XLA
         from flashlax.fallbacks.linear import _chunked_bwd
@@ -341,7 +397,7 @@ def _ssd_bwd(st, res, cts):
     else:
         from flashlax.kernels.ssd_bwd import backward
 
-        grads = backward(st, *res, *cts)
+        grads = backward(st, *res, *cts, t=t)
     # each cotangent typed like its primal (dtype, and the mesh axes it varies over inside shard_map)
     return tuple(None if g is None else cotangent_like(g, x) for g, x in zip(grads, res))
 

@@ -469,11 +469,15 @@ def wy_call(st: Static, k, v, la, beta, pre: dict, dd, dqk: dict) -> dict:
     return call(_wy_kernel, st, st.n_chunks, inputs, outputs, name="ssd_wy_bwd")
 
 
-def backward(st: Static, q, k, v, la, beta, s0, do, dfinal):
-    """Cotangents (dq, dk, dv, d log_alpha, dbeta or None, d initial_state) of ``ssd._ssd``."""
+def backward(st: Static, q, k, v, la, beta, s0, do, dfinal, t=None):
+    """Cotangents (dq, dk, dv, d log_alpha, dbeta or None, d initial_state) of ``ssd._ssd``; ``t``: the UT
+    transform's T saved by the forward (``SSDConfig.save_t``) or None (formed again)."""
     do = do.astype(v.dtype)
     dfinal = dfinal.astype(F32)
-    pre = ssd.precompute_call(st, k, v, la, beta, emit_t=True)
+    if t is None:
+        pre = ssd.precompute_call(st, k, v, la, beta, emit_t=True)
+    else:
+        pre = ssd.wu_call(st, k, v, la, beta, t)
     states = ssd.state_call(st, k, v, la, s0, pre, emit_delta=True)
     dout = dout_call(st, q, k, la, do, pre)
     rev = reverse_call(st, q, k, la, do, pre, dout, dfinal)
