@@ -54,6 +54,9 @@ VARIANTS = {"shipped": {}, "kdec": dict(kdec=True), "s3": dict(state_stages=3),
             "lean": dict(dqk_lean=True), "lean w8": dict(dqk_lean=True, warps=(("dqk", 8),)),
             "savet": dict(save_t=True), "lean savet": dict(dqk_lean=True, save_t=True),
             "lean savet wu8": dict(dqk_lean=True, save_t=True, warps=(("wu", 8),)),
+            # without beta (shape f32_64nb): the shipped entry runs block_v 32 there, so dqk is not one tile
+            "lean nbv64": dict(dqk_lean=True, without_beta=(("store_p", False),)),
+            "lean nbv64 sp": dict(dqk_lean=True, without_beta=()),
             "sp skg wy32": dict(store_p=True, store_kg=True, blocks=(("wy", 32),)),
             # chunks of 128 (the same function, other roundings): half the chunk programs and sequential steps
             "c128": dict(chunk=128), "c128 w8": dict(chunk=128, num_warps=8),
