@@ -52,6 +52,7 @@ VARIANTS = {"shipped": {}, "kdec": dict(kdec=True), "s3": dict(state_stages=3),
             "dqkpack pairdo": dict(dqk_pack=True, dqk_pair_do=True),
             "dqkpack pairdo w8": dict(dqk_pack=True, dqk_pair_do=True, warps=(("dqk", 8),)),
             "lean": dict(dqk_lean=True), "lean w8": dict(dqk_lean=True, warps=(("dqk", 8),)),
+            "lean savet w8": dict(dqk_lean=True, save_t=True, warps=(("dqk", 8),)),
             "savet": dict(save_t=True), "lean savet": dict(dqk_lean=True, save_t=True),
             "lean savet wu8": dict(dqk_lean=True, save_t=True, warps=(("wu", 8),)),
             # without beta (shape f32_64nb): the shipped entry runs block_v 32 there, so dqk is not one tile

@@ -219,9 +219,9 @@ def _dqk_kernel(*refs, names, st: Static):
 def _dqk_lean_kernel(*refs, names, st: Static):
     """:func:`_dqk_kernel` on one chunk-wide tile (one dk pass, one dv block), its steps ordered so that few
     [C, C]-sized float32 tiles are live at once (``SSDConfig.dqk_lean``): each input is loaded where it is
-    first used and each product's operands die as early as the algebra allows (k and q are loaded for the last
-    products only). log_alpha's gradient is linear in its pieces, so the P part is reduced to a vector as soon
-    as dP is formed."""
+    used (q and k twice), each product's operands die as early as the algebra allows, and the row sums of
+    log_alpha's gradient are taken as soon as their tiles exist; its P part is reduced last, when only
+    dP * P is live (``scripts/ptxas_report.py``-style counts, session 25: spill stores 3128 -> 968 bytes)."""
     r = named(refs, names)
     c = st.chunk
     row = chunk_rows(st, c)[0]
@@ -244,25 +244,27 @@ def _dqk_lean_kernel(*refs, names, st: Static):
             store(r["dd_out"], row, 0, dd, st, None if st.has_beta else vcols)
         if st.has_beta:
             store(r["dw"], row, 0, -dot(mm(dd, st), h, st, tb=True), st)
+    k = load(r["k"], row, c, 0, st.dkp, st, kcols)
     d_kdec = dot(d, dh, st, tb=True)
+    d_elast = e_last * jnp.sum(k.astype(F32) * d_kdec, axis=1)
+    dk = e_last[:, None] * d_kdec
     do = load(r["do"], row, c, 0, st.dvp, st, vcols)
     d_qg = dot(do, h, st, tb=True)
+    q = load(r["q"], row, c, 0, st.dkp, st, kcols)
+    gamma = dec.gamma(0)
+    d_gamma = st.scale * gamma * jnp.sum(q.astype(F32) * d_qg, axis=1)
+    dq = (st.scale * gamma)[:, None] * d_qg
     d_p = dot(do, d, st, tb=True)
     d_qk = st.scale * d_p * dec.G(0, 0)
     if "p" in r:       # d_qk * q k^T = dP * P (SSDConfig.store_p)
-        dla = dec.grad({(0, 0): d_p * load(r["p"], row, c, 0, c, st)})[0]
-    q = load(r["q"], row, c, 0, st.dkp, st, kcols)
-    k = load(r["k"], row, c, 0, st.dkp, st, kcols)
-    if "p" not in r:
-        dla = dec.grad({(0, 0): d_qk * dot(q, k, st, tb=True)})[0]
+        d_exp = d_p * load(r["p"], row, c, 0, c, st)
+    else:
+        d_exp = d_qk * dot(q, k, st, tb=True)
     d_qk = mm(d_qk, st)
-    gamma = dec.gamma(0)
-    store(r["dq"], row, 0, (st.scale * gamma)[:, None] * d_qg + dot(d_qk, k, st), st, kcols)
-    d_gamma = st.scale * gamma * jnp.sum(q.astype(F32) * d_qg, axis=1)
-    store(r["dk"], row, 0, e_last[:, None] * d_kdec + dot(d_qk, q, st, ta=True), st,
+    store(r["dq"], row, 0, dq + dot(d_qk, load(r["k"], row, c, 0, st.dkp, st, kcols), st), st, kcols)
+    store(r["dk"], row, 0, dk + dot(d_qk, load(r["q"], row, c, 0, st.dkp, st, kcols), st, ta=True), st,
           None if st.has_beta else kcols)
-    d_elast = e_last * jnp.sum(k.astype(F32) * d_kdec, axis=1)
-    dla = dla + dec.grad({}, [d_gamma], [d_elast], d_total)[0]
+    dla = dec.grad({(0, 0): d_exp}, [d_gamma], [d_elast], d_total)[0]
     store_vec(r["dla"], row, dla, st)
 
 
