@@ -213,19 +213,14 @@ def precompute_call(st: Static, k, v, la, beta, emit_t: bool = False, emit_kg: b
     """The per-chunk parallel precompute: w, u [B, H, T, dkp / dvp] in the input dtype (with beta; with
     ``st.kdec`` also k_dec [B, H, T, dkp], k decayed to its chunk's end, for the state pass), and with
     ``emit_t`` T [B, H, T, C] (row r: row r % C of its chunk's T; input dtype; with ``SSDConfig.store_kg`` also
-    "kg": k k^T * G_strict [B, H, T, C] float32, laid out as T); M [B, H, N * dkp, dkp] (with
-    beta) and H [B, H, N * dkp, dvp] float32 (with ``st.transition``). {} when none of these."""
+    "kg": k k^T * G_strict [B, H, T, C] float32, laid out as T, unless ``emit_kg`` is False); M [B, H, N * dkp,
+    dkp] (with beta) and H [B, H, N * dkp, dvp] float32 (with ``st.transition``). {} when none of these."""
     bh = k.shape[:2]
     outputs = {}
     if st.has_beta:
-        outputs["w"] = seq_out(st, bh, st.dkp, st.mm_dtype)
-        outputs["u"] = seq_out(st, bh, st.dvp, st.mm_dtype)
-        if st.kdec:
-            outputs["kdec"] = seq_out(st, bh, st.dkp, st.mm_dtype)
+        outputs.update(_wu_outputs(st, bh, kg=emit_t and (st.config.store_kg if emit_kg is None else emit_kg)))
         if emit_t:
             outputs["t"] = seq_out(st, bh, st.chunk, st.mm_dtype)
-            if st.config.store_kg if emit_kg is None else emit_kg:
-                outputs["kg"] = seq_out(st, bh, st.chunk, F32)
     if st.transition and not st.mh_kernel:
         if st.has_beta:
             outputs["m"] = per_chunk_out(st, bh, st.dkp)
@@ -239,6 +234,17 @@ def precompute_call(st: Static, k, v, la, beta, emit_t: bool = False, emit_kg: b
     if st.transition and st.mh_kernel:
         pre.update(mh_call(st, k, la, pre))
     return pre
+
+
+def _wu_outputs(st: Static, bh, kg: bool) -> dict:
+    """The with-beta outputs shared by the precompute and the wu kernel: w, u [B, H, T, dkp / dvp] in the input
+    dtype, with ``st.kdec`` k_dec, with ``kg`` KG [B, H, T, C] float32."""
+    outputs = {"w": seq_out(st, bh, st.dkp, st.mm_dtype), "u": seq_out(st, bh, st.dvp, st.mm_dtype)}
+    if st.kdec:
+        outputs["kdec"] = seq_out(st, bh, st.dkp, st.mm_dtype)
+    if kg:
+        outputs["kg"] = seq_out(st, bh, st.chunk, F32)
+    return outputs
 
 
 def _wu_kernel(*refs, names, st: Static):
@@ -275,11 +281,7 @@ def wu_call(st: Static, k, v, la, beta, t) -> dict:
     """The backward's precompute from the forward's saved T (``SSDConfig.save_t``, with beta): the outputs of
     ``precompute_call(..., emit_t=True)``, T itself passed through."""
     bh = k.shape[:2]
-    outputs = {"w": seq_out(st, bh, st.dkp, st.mm_dtype), "u": seq_out(st, bh, st.dvp, st.mm_dtype)}
-    if st.kdec:
-        outputs["kdec"] = seq_out(st, bh, st.dkp, st.mm_dtype)
-    if st.config.store_kg:
-        outputs["kg"] = seq_out(st, bh, st.chunk, F32)
+    outputs = _wu_outputs(st, bh, kg=st.config.store_kg)
     if st.transition:
         outputs.update(m=per_chunk_out(st, bh, st.dkp), inc=per_chunk_out(st, bh, st.dvp))
     inputs = dict(k=seq_arg(k, st, st.dkp), v=seq_arg(v, st, st.dvp), la=(la, vec_spec(st)),

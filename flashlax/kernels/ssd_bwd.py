@@ -219,9 +219,10 @@ def _dqk_kernel(*refs, names, st: Static):
 def _dqk_lean_kernel(*refs, names, st: Static):
     """:func:`_dqk_kernel` on one chunk-wide tile (one dk pass, one dv block), its steps ordered so that few
     [C, C]-sized float32 tiles are live at once (``SSDConfig.dqk_lean``): each input is loaded where it is
-    used (q and k twice), each product's operands die as early as the algebra allows, and the row sums of
-    log_alpha's gradient are taken as soon as their tiles exist; its P part is reduced last, when only
-    dP * P is live (``scripts/ptxas_report.py``-style counts, session 25: spill stores 3128 -> 968 bytes)."""
+    used (q twice, k up to three times: one load kept live across the dD and dw products spills more), each
+    product's operands die as early as the algebra allows, and the row sums of log_alpha's gradient are taken
+    as soon as their tiles exist; its P part is reduced last, when only dP * P is live (``scripts/
+    offline_ptxas.py``, session 25: spill stores 3128 -> 968 bytes; one k load for k_dec and D dh^T: 1004)."""
     r = named(refs, names)
     c = st.chunk
     row = chunk_rows(st, c)[0]
