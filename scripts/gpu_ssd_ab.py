@@ -55,6 +55,11 @@ VARIANTS = {"shipped": {}, "kdec": dict(kdec=True), "s3": dict(state_stages=3),
             "lean savet w8": dict(dqk_lean=True, save_t=True, warps=(("dqk", 8),)),
             "savet": dict(save_t=True), "lean savet": dict(dqk_lean=True, save_t=True),
             "lean savet wu8": dict(dqk_lean=True, save_t=True, warps=(("wu", 8),)),
+            # session 29, on top of the shipped lean + save_t entry: one knob each
+            "wu8": dict(warps=(("wu", 8),)), "wu2": dict(warps=(("wu", 2),)), "dqk2": dict(warps=(("dqk", 2),)),
+            "wy8": dict(warps=(("wy", 8),)), "dout8": dict(warps=(("dout", 8),)), "out8": dict(warps=(("out", 8),)),
+            "pre2": dict(warps=(("precompute", 2),)), "s2": dict(state_stages=2), "sw8": dict(state_warps=8),
+            "sbv32": dict(state_block_v=32), "nolean": dict(dqk_lean=False),
             # without beta (shape f32_64nb): the shipped entry runs block_v 32 there, so dqk is not one tile
             "lean nbv64": dict(dqk_lean=True, without_beta=(("store_p", False),)),
             "lean nbv64 sp": dict(dqk_lean=True, without_beta=()),

@@ -582,10 +582,12 @@ SSD_CONFIGS: dict[str, dict[tuple[int, str], SSDConfig]] = {
         # Session 24 (gpu_ssd_ab.py, B2 H8 T8192 with beta, fwd+bwd 3.687 ms shipped): store_p and store_kg
         # 3.446 (dqk 1.059 -> 0.994, wy 1.066 -> 0.872); with wy_pack 3.397 (wy 0.815), its wy on 32-row
         # sub-blocks 3.171 (wy 0.576), on one 64-row tile **2.905** (wy 0.304). Not measured without beta (the
-        # session 23 launch stays there: store_p off).
+        # session 23 launch stays there: store_p off). Session 29 (gpu_ssd_ab.py, one process): dqk_lean and
+        # save_t, fwd+bwd 2.915 -> **2.552** ms (dqk 1.001 -> 0.793; at 8 dqk warps 2.645), gradients within
+        # 2.1e-7 of the previous entry's; `python -m flashlax.bench` 2.617 ms (fla 2.62).
         (64, "32"): SSDConfig(block=64, block_v=64, state_block_v=16, state_stages=3, f32_dot="tf32x3",
                               transition=True, mh_kernel=True, blocks=(("wy", 64),), store_p=True,
-                              store_kg=True, wy_pack=True,
+                              store_kg=True, wy_pack=True, dqk_lean=True, save_t=True,
                               without_beta=(("block_v", 32), ("store_p", False))),
         (128, "32"): SSDConfig(block=64, block_v=64, num_warps=8, state_block_v=16, state_stages=2,
                                f32_dot="tf32x3", warps=(("wy", 4), ("precompute", 4), ("out", 4), ("dout", 4))),
