@@ -60,6 +60,8 @@ VARIANTS = {"shipped": {}, "kdec": dict(kdec=True), "s3": dict(state_stages=3),
             "wy8": dict(warps=(("wy", 8),)), "dout8": dict(warps=(("dout", 8),)), "out8": dict(warps=(("out", 8),)),
             "pre2": dict(warps=(("precompute", 2),)), "s2": dict(state_stages=2), "sw8": dict(state_warps=8),
             "sbv32": dict(state_block_v=32), "nolean": dict(dqk_lean=False),
+            "saveh": dict(save_h=True), "saveh wu8": dict(save_h=True, warps=(("wu", 8),)),
+            "saveh dqk2": dict(save_h=True, warps=(("dqk", 2),)),
             # without beta (shape f32_64nb): the shipped entry runs block_v 32 there, so dqk is not one tile
             "lean nbv64": dict(dqk_lean=True, without_beta=(("store_p", False),)),
             "lean nbv64 sp": dict(dqk_lean=True, without_beta=()),

@@ -644,6 +644,45 @@ def test_save_t_matches_and_saves_t(transition, store_kg, kdec):
         assert "ssd_wu" in text and "ssd_dqk" in text
 
 
+@pytest.mark.parametrize("transition, save_t, fuse_out", [(True, True, False), (False, False, False),
+                                                         (False, False, True)])
+def test_save_h_matches_and_saves_h(transition, save_t, fuse_out):
+    """SSDConfig.save_h: the forward under differentiation keeps the chunk-start states h it wrote for its
+    output kernel and the backward runs no state pass (the two-product form's dqk then forms D from u and w).
+    A partial last chunk and an initial state: every gradient matches the float64 recurrence and, element by
+    element, the backward that runs the state pass again; the residuals are the inputs, T where save_t, and
+    h ([B, H, N dk, dv], dk = dv = 24 padded to 32, five chunks of 32); nothing without beta or where the
+    state pass forms the output (fuse_out, which writes no states). For the H200 entry the lowered backward
+    has one state pass (the forward's) instead of two."""
+    from flashlax._residuals import residual_bytes
+    base = dataclasses.replace(ssd_config(24, 24, jnp.float32, "cpu"), transition=transition, save_t=save_t,
+                               fuse_out=fuse_out, block=64, blocks=(("wy", 16),))
+    cfg = dataclasses.replace(base, save_h=True)
+    inputs = make_inputs(47, 1, 2, 150, 24, 24, la_lo=-0.3, with_state=True)
+    _assert_matches_float64_and(ssd(32, config=cfg), ssd(32, config=base), inputs, seed=47)
+    args = [jax.ShapeDtypeStruct(inputs[n].shape, inputs[n].dtype)
+            for n in ("q", "k", "v", "log_alpha", "beta", "initial_state")]
+
+    def residuals(c, with_beta=True):
+        fn = ssd(32, config=c)
+        if with_beta:
+            return residual_bytes(lambda q, k, v, la, b, s: fn(q, k, v, la, b, initial_state=s), *args)
+        return residual_bytes(lambda q, k, v, la, s: fn(q, k, v, la, initial_state=s), *args[:4], args[5])
+
+    t_bytes, t_shapes = residuals(base)
+    assert t_shapes == (["float32[1,2,150,32]"] if save_t else [])
+    h_shapes = [] if fuse_out else ["float32[1,2,160,32]"]
+    got_bytes, got_shapes = residuals(cfg)
+    assert (got_bytes, sorted(got_shapes)) == (t_bytes + (0 if fuse_out else 2 * 160 * 32 * 4),
+                                               sorted(t_shapes + h_shapes))
+    assert residuals(cfg, with_beta=False) == (0, [])
+    if transition:
+        h200 = ssd_config(64, 64, jnp.float32, "NVIDIA H200")
+        passes = [_h200_backward_lowered(dataclasses.replace(h200, save_h=on)).count('"ssd_state') for on in
+                  (False, True)]
+        assert passes[1] > 0 and passes[0] == 2 * passes[1], passes
+
+
 def test_small_f32_dot_lowers_and_matches():
     """small_f32_dot (the UT transform's 16 x 16 x 16 float32 products through f32_dot as well, a candidate
     for the float32 backward): forward and backward go through the Pallas Triton lowering for an abstract

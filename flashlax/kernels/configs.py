@@ -442,6 +442,9 @@ class SSDConfig:
     ``save_t`` (with beta, Pallas backward): the forward under differentiation also stores the UT transform's
     T ([B, H, T, C] in the input dtype: one more residual the size of a [T, C] input) and the backward forms
     w = T (beta gamma k) and u = T (beta v) from it instead of inverting again (as fla saves its A).
+    ``save_h`` (with beta, Pallas backward, the output not fused into the state pass): the forward under
+    differentiation also keeps the chunk-start states h it writes for its output kernel ([B, H, N dk, dv] in
+    the input dtype: one more residual the size of a [T, dv] input) and the backward skips its state pass.
     """
 
     block: int = 16
@@ -470,6 +473,7 @@ class SSDConfig:
     dqk_pair_do: bool = False
     dqk_lean: bool = False
     save_t: bool = False
+    save_h: bool = False
 
     def __post_init__(self):
         for name in ("block", "block_v", "state_block_v", "max_chunk", "dqk_block_k"):
@@ -486,7 +490,7 @@ class SSDConfig:
         if self.f32_dot not in ("ieee", "tf32x3"):
             raise ValueError(f"SSDConfig: f32_dot must be 'ieee' or 'tf32x3', got {self.f32_dot!r}")
         for name in ("reverse_rinc", "mh_kernel", "kdec", "ut_subst", "fuse_out", "store_p", "store_kg", "wy_pack",
-                     "dqk_pack", "dqk_pair_do", "dqk_lean", "save_t"):
+                     "dqk_pack", "dqk_pair_do", "dqk_lean", "save_t", "save_h"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SSDConfig: {name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.small_f32_dot, bool):

@@ -353,15 +353,18 @@ def output_call(st: Static, q, k, v, la, pre: dict, states: dict):
 # custom_vjp and entry point
 # ----------------------------------------------------------------------------------------------------
 
-def forward(st: Static, q, k, v, la, beta, s0, pre: dict | None = None):
-    """(o, final state); ``pre``: the precompute's outputs when already formed."""
+def forward(st: Static, q, k, v, la, beta, s0, pre: dict | None = None, with_h: bool = False):
+    """(o, final state), and the chunk-start states h when ``with_h``; ``pre``: the precompute's outputs when
+    already formed."""
     if pre is None:
         pre = precompute_call(st, k, v, la, beta)
     if fuses_output(st):
+        assert not with_h, "the fused output pass writes no states"
         states = state_call(st, k, v, la, s0, pre, q=q)
         return states["o"], states["final"]
     states = state_call(st, k, v, la, s0, pre, emit_delta=True)
-    return output_call(st, q, k, v, la, pre, states), states["final"]
+    out = output_call(st, q, k, v, la, pre, states), states["final"]
+    return out + (states["h"],) if with_h else out
 
 
 def fuses_output(st: Static) -> bool:
@@ -380,15 +383,23 @@ def saves_t(st: Static) -> bool:
     return st.config.save_t and st.has_beta and st.backward != "xla"
 
 
+def saves_h(st: Static) -> bool:
+    """Whether the forward keeps its chunk-start states for the Pallas backward (``SSDConfig.save_h``, with
+    beta; not where the state pass forms the output itself and writes no states)."""
+    return st.config.save_h and st.has_beta and st.backward != "xla" and not fuses_output(st)
+
+
 def _ssd_fwd(q, k, v, la, beta, s0, st):
-    if not saves_t(st):
-        return forward(st, q, k, v, la, beta, s0), (q, k, v, la, beta, s0, None)     # residuals: the inputs
-    pre = precompute_call(st, k, v, la, beta, emit_t=True, emit_kg=False)
-    return forward(st, q, k, v, la, beta, s0, pre), (q, k, v, la, beta, s0, pre["t"])   # and T
+    """Residuals: the inputs, and T and h as the config asks (None where not saved)."""
+    pre = precompute_call(st, k, v, la, beta, emit_t=True, emit_kg=False) if saves_t(st) else None
+    out = forward(st, q, k, v, la, beta, s0, pre, with_h=saves_h(st))
+    t = pre["t"] if saves_t(st) else None
+    h = out[2] if saves_h(st) else None
+    return out[:2], (q, k, v, la, beta, s0, t, h)
 
 
 def _ssd_bwd(st, res, cts):
-    res, t = res[:6], res[6]
+    res, t, h = res[:6], res[6], res[7]
     if st.backward == "xla":
         # the chunked XLA path's backward: the same residuals (the inputs), recomputes in XLA
         from flashlax.fallbacks.linear import _chunked_bwd
@@ -399,7 +410,7 @@ def _ssd_bwd(st, res, cts):
     else:
         from flashlax.kernels.ssd_bwd import backward
 
-        grads = backward(st, *res, *cts, t=t)
+        grads = backward(st, *res, *cts, t=t, h=h)
     # each cotangent typed like its primal (dtype, and the mesh axes it varies over inside shard_map)
     return tuple(None if g is None else cotangent_like(g, x) for g, x in zip(grads, res))
 

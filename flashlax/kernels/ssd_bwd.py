@@ -472,16 +472,18 @@ def wy_call(st: Static, k, v, la, beta, pre: dict, dd, dqk: dict) -> dict:
     return call(_wy_kernel, st, st.n_chunks, inputs, outputs, name="ssd_wy_bwd")
 
 
-def backward(st: Static, q, k, v, la, beta, s0, do, dfinal, t=None):
+def backward(st: Static, q, k, v, la, beta, s0, do, dfinal, t=None, h=None):
     """Cotangents (dq, dk, dv, d log_alpha, dbeta or None, d initial_state) of ``ssd._ssd``; ``t``: the UT
-    transform's T saved by the forward (``SSDConfig.save_t``) or None (formed again)."""
+    transform's T saved by the forward (``SSDConfig.save_t``) or None (formed again); ``h``: the forward's
+    chunk-start states (``SSDConfig.save_h``) or None (the state pass runs again)."""
     do = do.astype(v.dtype)
     dfinal = dfinal.astype(F32)
     if t is None:
         pre = ssd.precompute_call(st, k, v, la, beta, emit_t=True)
     else:
         pre = ssd.wu_call(st, k, v, la, beta, t)
-    states = ssd.state_call(st, k, v, la, s0, pre, emit_delta=True)
+    # saved h: no D either (the two-product form's dqk forms it from u and w, ssd.delta_args)
+    states = ssd.state_call(st, k, v, la, s0, pre, emit_delta=True) if h is None else {"h": h}
     dout = dout_call(st, q, k, la, do, pre)
     rev = reverse_call(st, q, k, la, do, pre, dout, dfinal)
     dqk = dqk_call(st, q, k, v, la, do, pre, states, dout, rev)
