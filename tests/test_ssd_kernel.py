@@ -611,6 +611,17 @@ def test_dqk_lean_matches(with_beta, transition, store_p):
             dataclasses.replace(ssd_config(64, 64, jnp.float32, "NVIDIA H200"), dqk_lean=True))
 
 
+def _residuals(fn, inputs, with_beta=True):
+    """(bytes, shapes) that ``fn``'s forward saves for its backward beyond the inputs (with an initial state;
+    with or without beta), from abstract inputs shaped like ``inputs``."""
+    from flashlax._residuals import residual_bytes
+    args = [jax.ShapeDtypeStruct(inputs[n].shape, inputs[n].dtype)
+            for n in ("q", "k", "v", "log_alpha", "beta", "initial_state")]
+    if with_beta:
+        return residual_bytes(lambda q, k, v, la, b, s: fn(q, k, v, la, b, initial_state=s), *args)
+    return residual_bytes(lambda q, k, v, la, s: fn(q, k, v, la, initial_state=s), *args[:4], args[5])
+
+
 @pytest.mark.parametrize("transition, store_kg, kdec", [(True, True, False), (False, False, True)])
 def test_save_t_matches_and_saves_t(transition, store_kg, kdec):
     """SSDConfig.save_t: the forward under differentiation saves T and the backward forms w, u (and M, H, KG,
@@ -618,24 +629,15 @@ def test_save_t_matches_and_saves_t(transition, store_kg, kdec):
     initial state: every gradient matches the float64 recurrence and, element by element, the backward that
     inverts again; the residuals are the inputs and T alone (one [B, H, T, C] array in the input dtype), and
     without beta nothing is saved. The H200 entry with save_t lowers through Pallas' Triton lowering."""
-    from flashlax._residuals import residual_bytes
     base = dataclasses.replace(ssd_config(24, 24, jnp.float32, "cpu"), transition=transition, store_kg=store_kg,
                                kdec=kdec, block=64, blocks=(("wy", 16),))
     cfg = dataclasses.replace(base, save_t=True)
     inputs = make_inputs(45, 1, 2, 150, 24, 24, la_lo=-0.3, with_state=True)
     saving = ssd(32, config=cfg)
     _assert_matches_float64_and(saving, ssd(32, config=base), inputs, seed=45)
-    args = [jax.ShapeDtypeStruct(inputs[n].shape, inputs[n].dtype)
-            for n in ("q", "k", "v", "log_alpha", "beta", "initial_state")]
-
-    def residuals(fn, with_beta=True):
-        if with_beta:
-            return residual_bytes(lambda q, k, v, la, b, s: fn(q, k, v, la, b, initial_state=s), *args)
-        return residual_bytes(lambda q, k, v, la, s: fn(q, k, v, la, initial_state=s), *args[:4], args[5])
-
-    assert residuals(saving) == (1 * 2 * 150 * 32 * 4, ["float32[1,2,150,32]"])
-    assert residuals(ssd(32, config=base)) == (0, [])
-    assert residuals(saving, with_beta=False) == (0, [])
+    assert _residuals(saving, inputs) == (1 * 2 * 150 * 32 * 4, ["float32[1,2,150,32]"])
+    assert _residuals(ssd(32, config=base), inputs) == (0, [])
+    assert _residuals(saving, inputs, with_beta=False) == (0, [])
     # the static shared-memory estimate counts the wu kernel's chunk-wide tiles (k k^T: two [64, 256] float32)
     assert ssd_smem_bytes(dataclasses.replace(cfg, max_chunk=64), 256, 256, 64, jnp.float32) >= 2 * 64 * 256 * 4
     if transition:
@@ -654,28 +656,18 @@ def test_save_h_matches_and_saves_h(transition, save_t, fuse_out):
     h ([B, H, N dk, dv], dk = dv = 24 padded to 32, five chunks of 32); nothing without beta or where the
     state pass forms the output (fuse_out, which writes no states). For the H200 entry the lowered backward
     has one state pass (the forward's) instead of two."""
-    from flashlax._residuals import residual_bytes
     base = dataclasses.replace(ssd_config(24, 24, jnp.float32, "cpu"), transition=transition, save_t=save_t,
                                fuse_out=fuse_out, block=64, blocks=(("wy", 16),))
     cfg = dataclasses.replace(base, save_h=True)
     inputs = make_inputs(47, 1, 2, 150, 24, 24, la_lo=-0.3, with_state=True)
     _assert_matches_float64_and(ssd(32, config=cfg), ssd(32, config=base), inputs, seed=47)
-    args = [jax.ShapeDtypeStruct(inputs[n].shape, inputs[n].dtype)
-            for n in ("q", "k", "v", "log_alpha", "beta", "initial_state")]
-
-    def residuals(c, with_beta=True):
-        fn = ssd(32, config=c)
-        if with_beta:
-            return residual_bytes(lambda q, k, v, la, b, s: fn(q, k, v, la, b, initial_state=s), *args)
-        return residual_bytes(lambda q, k, v, la, s: fn(q, k, v, la, initial_state=s), *args[:4], args[5])
-
-    t_bytes, t_shapes = residuals(base)
+    t_bytes, t_shapes = _residuals(ssd(32, config=base), inputs)
     assert t_shapes == (["float32[1,2,150,32]"] if save_t else [])
     h_shapes = [] if fuse_out else ["float32[1,2,160,32]"]
-    got_bytes, got_shapes = residuals(cfg)
+    got_bytes, got_shapes = _residuals(ssd(32, config=cfg), inputs)
     assert (got_bytes, sorted(got_shapes)) == (t_bytes + (0 if fuse_out else 2 * 160 * 32 * 4),
                                                sorted(t_shapes + h_shapes))
-    assert residuals(cfg, with_beta=False) == (0, [])
+    assert _residuals(ssd(32, config=cfg), inputs, with_beta=False) == (0, [])
     if transition:
         h200 = ssd_config(64, 64, jnp.float32, "NVIDIA H200")
         passes = [_h200_backward_lowered(dataclasses.replace(h200, save_h=on)).count('"ssd_state') for on in

@@ -391,11 +391,10 @@ def saves_h(st: Static) -> bool:
 
 def _ssd_fwd(q, k, v, la, beta, s0, st):
     """Residuals: the inputs, and T and h as the config asks (None where not saved)."""
-    pre = precompute_call(st, k, v, la, beta, emit_t=True, emit_kg=False) if saves_t(st) else None
-    out = forward(st, q, k, v, la, beta, s0, pre, with_h=saves_h(st))
-    t = pre["t"] if saves_t(st) else None
-    h = out[2] if saves_h(st) else None
-    return out[:2], (q, k, v, la, beta, s0, t, h)
+    save_t, save_h = saves_t(st), saves_h(st)
+    pre = precompute_call(st, k, v, la, beta, emit_t=True, emit_kg=False) if save_t else None
+    out = forward(st, q, k, v, la, beta, s0, pre, with_h=save_h)
+    return out[:2], (q, k, v, la, beta, s0, pre["t"] if save_t else None, out[2] if save_h else None)
 
 
 def _ssd_bwd(st, res, cts):
