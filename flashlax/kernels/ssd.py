@@ -455,7 +455,8 @@ def gated_delta_rule_ssd(q, k, v, log_alpha, beta=None, *, scale: float, initial
     q, k: [B, H, T, dk]; v: [B, H, T, dv] (one dtype of float32/bfloat16/float16, dk, dv <= 256);
     log_alpha, beta: [B, H, T]; initial_state: [B, H, dk, dv] or None. Returns o [B, H, T, dv] in v's
     dtype (and the final state [B, H, dk, dv] float32). Differentiable in every array (custom_vjp whose
-    residuals are the inputs). ``config``: an SSDConfig (default: :func:`ssd_config` for the device kind);
+    residuals are the inputs, plus the UT transform T and the chunk-start states h where the config sets
+    ``save_t`` / ``save_h``). ``config``: an SSDConfig (default: :func:`ssd_config` for the device kind);
     a chunk_size above its ``max_chunk`` runs at ``max_chunk`` (the same function). ``backward``: "pallas"
     (the Pallas backward kernels), "xla" (the backward of the chunked XLA path on the same residuals, the
     inputs) or "auto" (the faster on the H200: "xla" with beta and dk or dv over 128, else "pallas";
