@@ -590,8 +590,8 @@ SSD_CONFIGS: dict[str, dict[tuple[int, str], SSDConfig]] = {
         # save_t, fwd+bwd 2.915 -> **2.552** ms (dqk 1.001 -> 0.793; at 8 dqk warps 2.645), gradients within
         # 2.1e-7 of the previous entry's; `python -m flashlax.bench` 2.617 ms (fla 2.62). Session 31 (the same
         # A/B): save_h (the forward keeps the chunk-start states, the backward runs no state pass) 2.531 ->
-        # **2.300** ms (dqk 0.785; the wu kernel at 8 warps with it 2.484, dqk at 2 stages 9.15), gradients within 2.1e-7;
-        # `python -m flashlax.bench` **2.349** ms (fla 2.62), residual_mb 32.25 -> 64.25.
+        # **2.300** ms (dqk 0.785; the wu kernel at 8 warps with it 2.484, dqk at 2 stages 9.15), gradients
+        # within 2.1e-7; `python -m flashlax.bench` **2.349** ms (fla 2.62), residual_mb 32.25 -> 64.25.
         (64, "32"): SSDConfig(block=64, block_v=64, state_block_v=16, state_stages=3, f32_dot="tf32x3",
                               transition=True, mh_kernel=True, blocks=(("wy", 64),), store_p=True,
                               store_kg=True, wy_pack=True, save_h=True, dqk_lean=True, save_t=True,
