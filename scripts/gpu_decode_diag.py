@@ -72,7 +72,8 @@ def main():
     p.add_argument("--shapes", default="", help="comma-separated BxLxLq entries to run (default: all), e.g. 1x65536x1")
     p.add_argument("--configs", default="",
                    help="also time the full call with these DecodeConfig overrides: comma-separated "
-                        "block_kv/num_warps/num_stages[/programs_per_sm] (variants cfg_...)")
+                        "block_kv/num_warps/num_stages[/programs_per_sm], or field=value pairs joined by '+' "
+                        "(variants cfg_...)")
     p.add_argument("--only-configs", action="store_true", help="time the shipped full call and the --configs only")
     p.add_argument("--chain", type=int, default=0,
                    help="also the GPU time per call of the full variants and jax xla: this many calls chained in "
@@ -116,9 +117,12 @@ def main():
         if args.only_configs:
             variants = {"full": (full, sets)}
         for spec in filter(None, args.configs.split(",")):
-            fields = dict(zip(("block_kv", "num_warps", "num_stages", "programs_per_sm"), map(int, spec.split("/"))))
+            if "=" in spec:   # field=value pairs joined by "+", e.g. block_rows=32+merge_in_kernel_kb=0
+                fields = {k: int(v) for k, v in (f.split("=") for f in spec.split("+"))}
+            else:
+                fields = dict(zip(("block_kv", "num_warps", "num_stages", "programs_per_sm"), map(int, spec.split("/"))))
             vcfg = dataclasses.replace(cfg, **fields)
-            variants["full_cfg_" + spec.replace("/", "_")] = (jax.jit(
+            variants["full_cfg_" + re.sub(r"[/+=]", "_", spec)] = (jax.jit(
                 lambda q, k, v, c=vcfg: dk.decode_attention_pallas(q, k, v, kv_lens=lens, config=c)), sets)
         want = jax.jit(lambda q, k, v: flashlax.decode_attention(q, k, v, impl="xla"))(*sets[0])
         for name, (fn, arg_sets) in variants.items():
@@ -135,7 +139,7 @@ def main():
                     got = fn(*sets[0])
                     row["max_abs_vs_xla"] = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
                     row["finite"] = bool(jnp.isfinite(got.astype(jnp.float32)).all())
-                    if name == "full" or name.startswith("full_splits"):
+                    if name == "full" or name.startswith(("full_splits", "full_cfg")):
                         again = [fn(*sets[0]) for _ in range(20)]
                         row["bitwise_repeat"] = all(bool((a == got).all()) for a in again)
             except Exception as exc:  # noqa: BLE001

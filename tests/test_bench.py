@@ -192,6 +192,23 @@ def test_decode_rows_time_throughput_and_latency(runs):
     for row in timed:
         assert row["throughput_calls"] == 50 and row["throughput_ms"] > 0 and row["latency_ms"] > 0, row
         assert row["kv_tbps"] == pytest.approx(row["kv_mb"] * harness.MB / (row["throughput_ms"] * 1e-3) / 1e12)
+        assert row["copy_tbps"] > 0 and row["copy_frac"] == pytest.approx(row["kv_tbps"] / row["copy_tbps"]), row
+    by_shape = {}
+    for row in timed:   # one copy ceiling per shape, measured once in the shape's rounds
+        by_shape.setdefault((row["batch"], row["lq"], row["lkv"]), set()).add(row["copy_tbps"])
+    assert all(len(values) == 1 for values in by_shape.values()), by_shape
+
+
+def test_kv_copy_copies_the_caches():
+    """The copy ceiling's function returns K and V themselves, in fresh buffers under jit."""
+    k = jax.random.normal(jax.random.PRNGKey(1), (2, 3, 64, 16))
+    v = jax.random.normal(jax.random.PRNGKey(2), (2, 3, 64, 8))
+    q = jax.random.normal(jax.random.PRNGKey(3), (2, 6, 1, 16))
+    ck, cv = jax.jit(harness.kv_copy)(q, k, v, q)
+    np.testing.assert_array_equal(np.asarray(ck), np.asarray(k))
+    np.testing.assert_array_equal(np.asarray(cv), np.asarray(v))
+    assert ck.unsafe_buffer_pointer() != k.unsafe_buffer_pointer()
+    assert cv.unsafe_buffer_pointer() != v.unsafe_buffer_pointer()
 
 
 def test_error_row_from_raising_impl():

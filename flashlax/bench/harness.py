@@ -28,7 +28,7 @@ MB = 1024.0 * 1024.0
 TIMING_KEYS = ("compile_s", "inner", "median_ms", "q1_ms", "q3_ms")
 # Decode rows only: per-call time of `throughput_calls` calls queued with one sync, median of single
 # synchronised calls, and the KV-cache read rate at the throughput time (TB/s).
-DECODE_TIMING_KEYS = ("throughput_ms", "throughput_calls", "latency_ms", "kv_tbps")
+DECODE_TIMING_KEYS = ("throughput_ms", "throughput_calls", "latency_ms", "kv_tbps", "copy_tbps", "copy_frac")
 XLA_MEMORY_KEYS = ("xla_temp_mb", "xla_arg_mb", "xla_out_mb")
 MEASURE_KEYS = TIMING_KEYS + XLA_MEMORY_KEYS + ("residual_mb", "residual_shapes", "kv_mb", "rel_err",
                                                 "rel_err_grads")
@@ -213,6 +213,12 @@ class Timer:
             start = time.perf_counter()
             self.sync(self.call(self.arg_sets[i % len(self.arg_sets)]))
             self.single_ms.append((time.perf_counter() - start) * 1e3)
+
+
+def kv_copy(q, k, v, *rest):
+    """Copies of a decode input set's K and V caches (the bench's copy ceiling for the KV bytes: each is read
+    and written once; under jit without donation XLA cannot alias them to the inputs)."""
+    return jnp.copy(k), jnp.copy(v)
 
 
 def time_calls(call: Callable[[Any], Any], arg_sets: Sequence[Any], *, repeats: int, sync: Callable = _block,

@@ -12,7 +12,7 @@ from typing import Any, Iterable
 _NOT_SHAPE = {"impl", "op", "interpret", "window", "documents", "mode", "suite", "error", "note", "num_splits", "residual_note", "compile_s", "inner",
               "median_ms", "q1_ms", "q3_ms", "xla_temp_mb", "xla_arg_mb", "xla_out_mb", "residual_mb",
               "residual_shapes", "kv_mb", "rel_err", "rel_err_grads", "throughput_ms", "throughput_calls",
-              "latency_ms", "kv_tbps"}
+              "latency_ms", "kv_tbps", "copy_tbps", "copy_frac"}
 
 
 # Error types of an implementation that is unavailable here (another backend, not written, no memory for a
@@ -99,21 +99,22 @@ def summary_table(rows: list[dict]) -> str:
     Rows run in the Pallas interpreter are listed but not counted as the fastest peer."""
     best = fastest_by_group([r for r in rows if not r.get("interpret")])
     decode = any("throughput_ms" in r for r in rows)  # decode rows: throughput, latency and KV TB/s too
-    extra_head = " throughput ms | TB/s KV | latency ms |" if decode else ""
+    extra_head = " throughput ms | TB/s KV | of copy | latency ms |" if decode else ""
     lines = ["| impl | shape | mode | median ms | x fastest | rel_err |" + extra_head,
-             "|---|---|---|---|---|---|" + "---|" * (3 if decode else 0)]
+             "|---|---|---|---|---|---|" + "---|" * (4 if decode else 0)]
     for row in rows:
         ms = _ms(row)
         if ms is None:
             lines.append(f"| {impl_label(row)} | {shape_label(row)} | {row['mode']} | {row.get('error', '-')} | - | - |"
-                         + " - | - | - |" * decode)
+                         + " - | - | - | - |" * decode)
             continue
         ratio = f"{ms / best[group_key(row)]:.2f}" if group_key(row) in best else "-"
         extra = ""
         if decode:
             tbps = row.get("kv_tbps")
+            frac = row.get("copy_frac")
             extra = (f" {_fmt_ms(row.get('throughput_ms'))} | {'-' if tbps is None else f'{tbps:.2f}'} | "
-                     f"{_fmt_ms(row.get('latency_ms'))} |")
+                     f"{'-' if frac is None else f'{frac:.0%}'} | {_fmt_ms(row.get('latency_ms'))} |")
         lines.append(f"| {impl_label(row)} | {shape_label(row)} | {row['mode']} | {_fmt_ms(ms)} | "
                      f"{ratio} | {_fmt_err(row.get('rel_err'))} |" + extra)
     return "\n".join(lines)

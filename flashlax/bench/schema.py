@@ -54,6 +54,8 @@ OPTIONAL: dict[str, tuple] = {
     "throughput_calls": (int,),
     "latency_ms": _NUM,       # decode: median of single synchronised calls
     "kv_tbps": _NUM,          # decode: KV bytes / throughput_ms, TB/s
+    "copy_tbps": _NUM,        # decode: a device copy of the shape's K and V in the same rounds, (read + written) / time
+    "copy_frac": _NUM,        # decode: kv_tbps / copy_tbps, the fraction of the copy ceiling
     "matmul_precision": (str,),  # the run's --matmul-precision (jax.default_matmul_precision), when given
 }
 DEVICE_REQUIRED = {"jax": (str,), "backend": (str,), "device_kind": (str,)}

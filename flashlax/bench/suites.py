@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import statistics
 import sys
 import time
 from typing import Any, Callable
@@ -184,15 +185,24 @@ def _start(case: Case, runner: peers.Runner, mode: str, min_sample_s: float):
 
 
 def measure_case(case: Case, jobs: list[tuple[peers.Runner, str]], *, repeats: int,
-                 min_sample_s: float, throughput_calls: int | None = None) -> list[dict]:
+                 min_sample_s: float, throughput_calls: int | None = None,
+                 copy_ceiling: Callable | None = None) -> list[dict]:
     """One row per (runner, mode) of one shape. All are compiled and checked first, then their timed
     samples are interleaved round-robin, so ratios between peers survive load changes on a shared machine.
     ``throughput_calls`` (decode): each round also takes a throughput sample of that many queued calls and
     single-call latency samples (``harness.Timer.sample_decode``). Any exception of an implementation
-    becomes that row's ``error``; the run goes on."""
+    becomes that row's ``error``; the run goes on. ``copy_ceiling`` (decode, with ``throughput_calls``): a
+    function of one input set that copies its K and V (``harness.kv_copy``), timed as throughput in the same
+    rounds: the rows get ``copy_tbps`` (bytes read + written / its time) and ``copy_frac`` (kv_tbps / that)."""
     case.want_grads = any(mode == "fwd_bwd" for _, mode in jobs)
     started = [_start(case, runner, mode, min_sample_s) for runner, mode in jobs]
+    ceiling = None
+    if copy_ceiling is not None and throughput_calls:
+        fn = jax.jit(copy_ceiling)
+        ceiling = harness.Timer(lambda args: fn(*args), case.arg_sets, min_sample_s=min_sample_s)
     for _ in range(max(1, repeats)):
+        if ceiling is not None:
+            ceiling.sample_decode(throughput_calls, singles=0)
         for i, (row, timer) in enumerate(started):
             if timer is None:
                 continue
@@ -210,6 +220,10 @@ def measure_case(case: Case, jobs: list[tuple[peers.Runner, str]], *, repeats: i
             row.update(timer.fields())
             if "throughput_ms" in row and row.get("kv_mb"):
                 row["kv_tbps"] = row["kv_mb"] * harness.MB / (row["throughput_ms"] * 1e-3) / 1e12
+                if ceiling is not None:   # the copy reads and writes the KV bytes once each
+                    copy_ms = statistics.median(ceiling.queued_ms)
+                    row["copy_tbps"] = 2 * row["kv_mb"] * harness.MB / (copy_ms * 1e-3) / 1e12
+                    row["copy_frac"] = row["kv_tbps"] / row["copy_tbps"]
         rows.append({k: row[k] for k in _ordered_keys(row)})
     return rows
 
@@ -375,7 +389,8 @@ def _print_progress(row: dict, stream) -> None:
 
 def _run_jobs(case: Case, jobs: list, cfg: dict, stream) -> list[dict]:
     rows = measure_case(case, jobs, repeats=cfg["repeats"], min_sample_s=cfg["min_sample_s"],
-                        throughput_calls=cfg.get("throughput_calls"))
+                        throughput_calls=cfg.get("throughput_calls"),
+                        copy_ceiling=harness.kv_copy if case.suite == "decode" else None)
     for row in rows:
         _print_progress(row, stream)
     return rows
