@@ -214,14 +214,14 @@ def measure_case(case: Case, jobs: list[tuple[peers.Runner, str]], *, repeats: i
                 error_row = {k: row[k] for k in ("suite", "op", "impl", "mode", *case.ident) if k in row}
                 error_row["error"] = harness.error_text(exc)
                 started[i] = (error_row, None)
+    copy_ms = statistics.median(ceiling.queued_ms) if ceiling is not None else None
     rows = []
     for row, timer in started:
         if timer is not None:
             row.update(timer.fields())
             if "throughput_ms" in row and row.get("kv_mb"):
                 row["kv_tbps"] = row["kv_mb"] * harness.MB / (row["throughput_ms"] * 1e-3) / 1e12
-                if ceiling is not None:   # the copy reads and writes the KV bytes once each
-                    copy_ms = statistics.median(ceiling.queued_ms)
+                if copy_ms is not None:   # the copy reads and writes the KV bytes once each
                     row["copy_tbps"] = 2 * row["kv_mb"] * harness.MB / (copy_ms * 1e-3) / 1e12
                     row["copy_frac"] = row["kv_tbps"] / row["copy_tbps"]
         rows.append({k: row[k] for k in _ordered_keys(row)})
