@@ -211,6 +211,25 @@ def test_kv_copy_copies_the_caches():
     assert cv.unsafe_buffer_pointer() != v.unsafe_buffer_pointer()
 
 
+def test_failing_copy_ceiling_leaves_the_rows_timed():
+    """A copy ceiling that raises (e.g. out of memory) drops only the ceiling: the rows keep their times
+    and say why they have no copy fraction."""
+    from flashlax.bench import peers, suites
+
+    q, k, v = suites.attention_inputs(4, 1, 2, 1, 1, 64, 8, jnp.float32)[:3]
+    case = suites.Case("decode", {"batch": 1, "kv_mb": 2 * k.nbytes / harness.MB}, [(q, k, v)],
+                       suites.ATTENTION_GRAD_NAMES, None)
+
+    def bad_copy(*args):
+        raise MemoryError("no room for the copy")
+
+    rows = suites.measure_case(case, [(peers.decode_runner("xla"), "fwd")], repeats=2, min_sample_s=0.0,
+                               throughput_calls=3, copy_ceiling=bad_copy)
+    (row,) = rows
+    assert "error" not in row and row["throughput_ms"] > 0 and row["kv_tbps"] > 0, row
+    assert "copy_tbps" not in row and "copy ceiling failed: MemoryError" in row["note"], row
+
+
 def test_error_row_from_raising_impl():
     """An implementation that raises gives a row with `error`, not a crash; the run goes on."""
     from flashlax.bench import peers, suites

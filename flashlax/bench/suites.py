@@ -196,13 +196,19 @@ def measure_case(case: Case, jobs: list[tuple[peers.Runner, str]], *, repeats: i
     rounds: the rows get ``copy_tbps`` (bytes read + written / its time) and ``copy_frac`` (kv_tbps / that)."""
     case.want_grads = any(mode == "fwd_bwd" for _, mode in jobs)
     started = [_start(case, runner, mode, min_sample_s) for runner, mode in jobs]
-    ceiling = None
+    ceiling, ceiling_error = None, None
     if copy_ceiling is not None and throughput_calls:
-        fn = jax.jit(copy_ceiling)
-        ceiling = harness.Timer(lambda args: fn(*args), case.arg_sets, min_sample_s=min_sample_s)
+        try:   # the ceiling is a yardstick: if it fails (e.g. out of memory) the rows go on without it
+            fn = jax.jit(copy_ceiling)
+            ceiling = harness.Timer(lambda args: fn(*args), case.arg_sets, min_sample_s=min_sample_s)
+        except Exception as exc:
+            ceiling_error = harness.error_text(exc)
     for _ in range(max(1, repeats)):
         if ceiling is not None:
-            ceiling.sample_decode(throughput_calls, singles=0)
+            try:
+                ceiling.sample_decode(throughput_calls, singles=0)
+            except Exception as exc:
+                ceiling, ceiling_error = None, harness.error_text(exc)
         for i, (row, timer) in enumerate(started):
             if timer is None:
                 continue
@@ -224,6 +230,8 @@ def measure_case(case: Case, jobs: list[tuple[peers.Runner, str]], *, repeats: i
                 if copy_ms is not None:   # the copy reads and writes the KV bytes once each
                     row["copy_tbps"] = 2 * row["kv_mb"] * harness.MB / (copy_ms * 1e-3) / 1e12
                     row["copy_frac"] = row["kv_tbps"] / row["copy_tbps"]
+                elif ceiling_error is not None:
+                    row["note"] = "; ".join(filter(None, [row.get("note"), f"copy ceiling failed: {ceiling_error}"]))
         rows.append({k: row[k] for k in _ordered_keys(row)})
     return rows
 
