@@ -193,7 +193,8 @@ def measure_case(case: Case, jobs: list[tuple[peers.Runner, str]], *, repeats: i
     single-call latency samples (``harness.Timer.sample_decode``). Any exception of an implementation
     becomes that row's ``error``; the run goes on. ``copy_ceiling`` (decode, with ``throughput_calls``): a
     function of one input set that copies its K and V (``harness.kv_copy``), timed as throughput in the same
-    rounds: the rows get ``copy_tbps`` (bytes read + written / its time) and ``copy_frac`` (kv_tbps / that)."""
+    rounds: the rows get ``copy_tbps`` (bytes read + written / its time) and ``copy_frac`` (kv_tbps / that);
+    if the copy raises, the rows go without them and their ``note`` says why."""
     case.want_grads = any(mode == "fwd_bwd" for _, mode in jobs)
     started = [_start(case, runner, mode, min_sample_s) for runner, mode in jobs]
     ceiling, ceiling_error = None, None
