@@ -75,6 +75,9 @@ def main():
                         "block_kv/num_warps/num_stages[/programs_per_sm], or field=value pairs joined by '+' "
                         "(variants cfg_...)")
     p.add_argument("--only-configs", action="store_true", help="time the shipped full call and the --configs only")
+    p.add_argument("--serving", action="store_true",
+                   help="also the serving call: kv_lens a traced int32 argument (full_lens; its clip and NaN "
+                        "guard are XLA kernels of their own) and jax xla given key_value_seq_lengths")
     p.add_argument("--chain", type=int, default=0,
                    help="also the GPU time per call of the full variants and jax xla: this many calls chained in "
                         "one program (chain_us)")
@@ -116,6 +119,13 @@ def main():
                     q, k, v, impl="pallas", num_splits=s)), sets)
         if args.only_configs:
             variants = {"full": (full, sets)}
+        if args.serving:   # the lengths an argument of the jitted call, as a serving step passes them
+            lens_sets = [(*s, lens) for s in sets]
+            variants["full_lens"] = (jax.jit(lambda q, k, v, n: flashlax.decode_attention(
+                q, k, v, kv_lens=n, impl="pallas")), lens_sets)
+            variants["jax_xla_gqa_lens"] = (jax.jit(lambda q, k, v, n: jax.nn.dot_product_attention(
+                q.swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2), mask=mask, key_value_seq_lengths=n,
+                implementation="xla")), lens_sets)
         for spec in filter(None, args.configs.split(",")):
             if "=" in spec:   # field=value pairs joined by "+", e.g. block_rows=32+merge_in_kernel_kb=0
                 fields = {k: int(v) for k, v in (f.split("=") for f in spec.split("+"))}
@@ -136,11 +146,11 @@ def main():
                         step = lambda q, k, v, f=fn: f(q, k, v).swapaxes(1, 2)  # noqa: E731
                     row["gpu_chain_us"] = chain_us(step, arg_sets, n=args.chain)
                 if name.startswith("full"):
-                    got = fn(*sets[0])
+                    got = fn(*arg_sets[0])
                     row["max_abs_vs_xla"] = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
                     row["finite"] = bool(jnp.isfinite(got.astype(jnp.float32)).all())
                     if name == "full" or name.startswith(("full_splits", "full_cfg")):
-                        again = [fn(*sets[0]) for _ in range(20)]
+                        again = [fn(*arg_sets[0]) for _ in range(20)]
                         row["bitwise_repeat"] = all(bool((a == got).all()) for a in again)
             except Exception as exc:  # noqa: BLE001
                 row = dict(batch=batch, lkv=length, lq=lq, variant=name, error=f"{type(exc).__name__}: {exc}"[:400])
