@@ -4,7 +4,8 @@ merge alone, jax's xla attention, and an almost empty jit (the dispatch floor), 
 queued, one sync) and as host dispatch time (the same loop without the sync); plus the number of kernels
 (fusions / custom calls) in each compiled program. Every full variant is checked against the XLA decode path
 (max abs difference) and, for the in-kernel merge (an atomic arrival counter), for bitwise equal results
-over 20 calls.
+over 20 calls. ``--serving`` adds the call a serving step makes (kv_lens a traced argument) and jax xla
+given the lengths.
 
   PYTHONPATH=$PWD python3 scripts/gpu_decode_diag.py --out $OUT/decode_diag.json
 """
@@ -140,7 +141,7 @@ def main():
                 thr, lat = timed(fn, arg_sets, calls=100, reps=7, singles=10)
                 row = dict(batch=batch, lkv=length, lq=lq, variant=name, thr_ms=thr, lat_ms=lat,
                            dispatch_us=dispatch_us(fn, arg_sets[0]), **kernels(fn, arg_sets[0]))
-                if args.chain and (name.startswith("full") or name.startswith("jax_xla_gqa")):
+                if args.chain and name.startswith(("full", "jax_xla_gqa")) and not name.endswith("_lens"):
                     step = fn
                     if name.startswith("jax_xla"):   # [B, Lq, Hq, D] out -> q's [B, Hq, Lq, D]
                         step = lambda q, k, v, f=fn: f(q, k, v).swapaxes(1, 2)  # noqa: E731
