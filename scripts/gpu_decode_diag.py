@@ -78,7 +78,7 @@ def main():
     p.add_argument("--only-configs", action="store_true", help="time the shipped full call and the --configs only")
     p.add_argument("--serving", action="store_true",
                    help="also the serving call: kv_lens a traced int32 argument (full_lens; its clip and NaN "
-                        "guard are XLA kernels of their own) and jax xla given key_value_seq_lengths")
+                        "guard are XLA ops around the kernel) and jax xla given key_value_seq_lengths")
     p.add_argument("--chain", type=int, default=0,
                    help="also the GPU time per call of the full variants and jax xla: this many calls chained in "
                         "one program (chain_us)")
@@ -95,7 +95,8 @@ def main():
                  rnd(10 * i + 3, (batch, HKV, length, D), jnp.bfloat16)) for i in range(3)]
         lens = jnp.full((batch,), length, jnp.int32)
         scale = D ** -0.5
-        full = jax.jit(lambda q, k, v: flashlax.decode_attention(q, k, v, impl="pallas"))
+        # n: kv_lens as an argument (--serving); None, each API's default, in every other variant
+        full = jax.jit(lambda q, k, v, n=None: flashlax.decode_attention(q, k, v, kv_lens=n, impl="pallas"))
         kern = jax.jit(lambda q, k, v: dk.kernel_outputs(q, k, v, lens, scale=scale, num_splits=None,
                                                          config=xla_merge)[:2])
         parts = kern(*sets[0])
@@ -106,8 +107,9 @@ def main():
         jxla = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
             q.swapaxes(1, 2), jnp.repeat(k, HQ // HKV, 1).swapaxes(1, 2), jnp.repeat(v, HQ // HKV, 1).swapaxes(1, 2),
             mask=mask, implementation="xla"))
-        jxla_gqa = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
-            q.swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2), mask=mask, implementation="xla"))
+        jxla_gqa = jax.jit(lambda q, k, v, n=None: jax.nn.dot_product_attention(
+            q.swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2), mask=mask, key_value_seq_lengths=n,
+            implementation="xla"))
         empty = jax.jit(lambda q, k, v: q + 1)
         full_xla_merge = jax.jit(lambda q, k, v: dk.decode_attention_pallas(q, k, v, kv_lens=lens, config=xla_merge))
         variants = {"full": (full, sets), "full_xla_merge": (full_xla_merge, sets), "kernel_only": (kern, sets),
@@ -122,11 +124,7 @@ def main():
             variants = {"full": (full, sets)}
         if args.serving:   # the lengths an argument of the jitted call, as a serving step passes them
             lens_sets = [(*s, lens) for s in sets]
-            variants["full_lens"] = (jax.jit(lambda q, k, v, n: flashlax.decode_attention(
-                q, k, v, kv_lens=n, impl="pallas")), lens_sets)
-            variants["jax_xla_gqa_lens"] = (jax.jit(lambda q, k, v, n: jax.nn.dot_product_attention(
-                q.swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2), mask=mask, key_value_seq_lengths=n,
-                implementation="xla")), lens_sets)
+            variants |= {"full_lens": (full, lens_sets), "jax_xla_gqa_lens": (jxla_gqa, lens_sets)}
         for spec in filter(None, args.configs.split(",")):
             if "=" in spec:   # field=value pairs joined by "+", e.g. block_rows=32+merge_in_kernel_kb=0
                 fields = {k: int(v) for k, v in (f.split("=") for f in spec.split("+"))}
