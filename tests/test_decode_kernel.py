@@ -283,10 +283,12 @@ LOWERINGS = [
 ]
 
 
+@pytest.mark.parametrize("guard", [False, True], ids=["plain", "nan_guard"])
 @pytest.mark.parametrize("case", LOWERINGS, ids=[f"g{c[0] // c[1]}_lq{c[2]}_d{c[4]}_{c[6]}" for c in LOWERINGS])
-def test_lowers_to_triton(case):
-    """The kernel (inline-PTX FMA + ex2, both loops, masked loads, row blocks, mods) goes through the Pallas
-    Triton lowering for an abstract H200 with the configs the entry point picks."""
+def test_lowers_to_triton(case, guard):
+    """The kernel (inline-PTX FMA + ex2, both loops, masked loads, row blocks, mods, the traced-lengths NaN
+    guard in its final store) goes through the Pallas Triton lowering for an abstract H200 with the configs
+    the entry point picks."""
     hq, hkv, lq, max_len, d, dtype, mods = case
     abstract = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="gpu")
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=abstract)
@@ -296,7 +298,8 @@ def test_lowers_to_triton(case):
           None: {}}[mods]
 
     def f(q, k, v, lens):
-        return decode_attention_pallas(q, k, v, kv_lens=lens, device_kind="NVIDIA H200", **kw)
+        return decode_attention_pallas(q, k, v, kv_lens=lens, device_kind="NVIDIA H200", nan_outside_lens=guard,
+                                       **kw)
 
     sd = lambda *shape: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
     with jax.sharding.use_abstract_mesh(mesh):
