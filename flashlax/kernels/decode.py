@@ -447,11 +447,10 @@ def decode_attention_pallas(q, k_cache, v_cache, *, kv_lens=None, block_table=No
         out, lse = merge_splits(out, lse)
     out = out.astype(q.dtype).reshape(batch, q_heads, q_len, dv)
     result = (out, lse.reshape(batch, q_heads, q_len)) if return_lse else out
-    if partials and nan_outside_lens:   # merged in XLA: the guard fuses into the merge
+    if partials and nan_outside_lens:   # merged in XLA: the guard is an XLA step after the merge
         from flashlax.fallbacks.decode import nan_rows
         return nan_rows(result, kv_lens, q_len, max_len)
     return result
-
 
 
 def _smem_view(cfg: DecodeConfig, page_size: int) -> DecodeConfig:
