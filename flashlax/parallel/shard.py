@@ -336,21 +336,28 @@ def decode_attention(fn: Callable, impl: str, q, k_cache, v_cache, *, kv_lens, s
         return fn(q, k_cache, v_cache, kv_lens=kv_lens, scale=scale, num_splits=num_splits, score_mod=score_mod,
                   mask_mod=mask_mod, return_lse=return_lse, interpret=interpret, **extra, **kw)
 
-    if lens_range is not None:
-        from flashlax.fallbacks.decode import nan_rows
-        if placement is None and impl == "pallas":   # the kernel's final store writes the NaN rows
-            return call(q, k_cache, v_cache, kv_lens, score_mod, mask_mod, nan_outside_lens=True)
-        result = decode_attention(fn, impl, q, k_cache, v_cache, kv_lens=kv_lens, scale=scale, num_splits=num_splits,
-                                  score_mod=score_mod, mask_mod=mask_mod, return_lse=return_lse,
-                                  interpret=interpret, context_axis=context_axis, extra=extra)
-        return nan_rows(result, kv_lens, *lens_range)
     if placement is None:
-        return call(q, k_cache, v_cache, kv_lens, score_mod, mask_mod)
-    _unsupported_extras(op, "sharded inputs", extra, False)
-    if context_axis is not None:
+        if lens_range is not None and impl == "pallas":   # the kernel's final store writes the NaN rows
+            return call(q, k_cache, v_cache, kv_lens, score_mod, mask_mod, nan_outside_lens=True)
+        result = call(q, k_cache, v_cache, kv_lens, score_mod, mask_mod)
+    else:
+        _unsupported_extras(op, "sharded inputs", extra, False)
+        result = _decode_sharded(placement, call, q, k_cache, v_cache, kv_lens, score_mod=score_mod,
+                                 mask_mod=mask_mod, return_lse=return_lse)
+    if lens_range is None:
+        return result
+    from flashlax.fallbacks.decode import nan_rows
+    return nan_rows(result, kv_lens, *lens_range)
+
+
+def _decode_sharded(placement, call, q, k_cache, v_cache, kv_lens, *, score_mod, mask_mod, return_lse: bool):
+    """decode_attention's ``call`` per shard of the batch and heads, or over a cache split along its sequence
+    axis (``placement.context``)."""
+    if placement.context is not None:
         from flashlax.parallel import sequence
         return sequence.decode_attention(placement, call, q, k_cache, v_cache, kv_lens, score_mod=score_mod,
                                          mask_mod=mask_mod, return_lse=return_lse)
+    heads, kv_heads = q.shape[1], k_cache.shape[1]
 
     def local(placement, mods, q, k_cache, v_cache, kv_lens):
         score_mod, mask_mod = mods
