@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import flashlax
-from conftest import TOLERANCES, normal, rel_err
+from conftest import TOLERANCES, normal, rel_err, sub_jaxprs
 from flashlax import masks, score_mods
 from flashlax.fallbacks.decode import choose_num_splits, decode_attention_xla
 from flashlax.reference import attention_reference, decode_reference
@@ -197,10 +197,11 @@ def _primitives(jaxpr) -> list[str]:
     """The primitives a jaxpr runs, in order, nested calls inlined, a pallas_call as one name."""
     names = []
     for eqn in jaxpr.eqns:
-        subs = [getattr(p, "jaxpr", p) for p in eqn.params.values() if hasattr(p, "eqns") or hasattr(p, "jaxpr")]
-        if eqn.primitive.name == "pallas_call" or not subs:
+        subs = [] if eqn.primitive.name == "pallas_call" else [
+            sub for param in eqn.params.values() for sub in sub_jaxprs(param)]
+        if not subs:
             names.append(eqn.primitive.name)
-        for sub in subs if eqn.primitive.name != "pallas_call" else ():
+        for sub in subs:
             names += _primitives(sub)
     return names
 
