@@ -126,9 +126,11 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, *, kv
             if lens.min() < q_len or lens.max() > max_len:
                 raise ValueError(f"{op}: kv_lens must lie in [Lq={q_len}, Lmax={max_len}] (they include the new "
                                  f"tokens), got {lens.tolist()}")
-        # int64 under jax_enable_x64: values are checked (eagerly) or NaN-guarded (traced) against Lmax,
-        # which fits int32, so the cast is exact wherever the result is used.
-        kv_lens = jnp.clip(kv_lens, -1, max_len + 1).astype(jnp.int32)
+        if kv_lens.dtype != jnp.int32:
+            # int64 under jax_enable_x64: values are checked (eagerly) or NaN-guarded (traced) against Lmax,
+            # which fits int32, so the clipped cast keeps every verdict. int32 lengths go as given (one XLA
+            # op fewer around the kernel in a serving step; the kernels clamp the rows they read).
+            kv_lens = jnp.clip(kv_lens, -1, max_len + 1).astype(jnp.int32)
     if num_splits is not None and (not isinstance(num_splits, (int, np.integer)) or isinstance(num_splits, bool)
                                    or not 1 <= num_splits <= max_len):
         raise ValueError(f"{op}: num_splits must be None or an int in [1, Lmax={max_len}], got {num_splits!r}")
@@ -142,17 +144,9 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, *, kv
         extra = dict(block_table=block_table)      # the kernel reads the pages in place
     elif block_table is not None:
         k_cache, v_cache = (paged.gather_pages(c, block_table) for c in (k_cache, v_cache))
-    result = parallel.decode_attention(fn, entry.name, q, k_cache, v_cache, kv_lens=kv_lens, scale=scale,
-                                       num_splits=num_splits, score_mod=score_mod, mask_mod=mask_mod,
-                                       return_lse=bool(return_lse), interpret=interpret, context_axis=context_axis,
-                                       extra=extra)
-    if not traced_lens:
-        return result
     # Traced kv_lens cannot be checked here: a batch element whose length lies outside [Lq, Lmax] gets NaN
-    # rows (output and lse) instead of plausible numbers.
-    bad = (kv_lens < q_len) | (kv_lens > max_len)
-    if return_lse:
-        out, lse = result
-        return (jnp.where(bad[:, None, None, None], jnp.nan, out),
-                jnp.where(bad[:, None, None], jnp.nan, lse))
-    return jnp.where(bad[:, None, None, None], jnp.nan, result)
+    # rows (output and lse) instead of plausible numbers (``lens_range``: in the kernel where it can).
+    return parallel.decode_attention(fn, entry.name, q, k_cache, v_cache, kv_lens=kv_lens, scale=scale,
+                                     num_splits=num_splits, score_mod=score_mod, mask_mod=mask_mod,
+                                     return_lse=bool(return_lse), interpret=interpret, context_axis=context_axis,
+                                     extra=extra, lens_range=(q_len, max_len) if traced_lens else None)

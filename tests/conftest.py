@@ -48,6 +48,17 @@ def normal(rng, shape, dtype=np.float32):
     return jax.numpy.asarray(rng.standard_normal(shape, np.float32), dtype)
 
 
+def sub_jaxprs(value):
+    """The jaxprs an equation parameter holds (a Jaxpr, a ClosedJaxpr, or tuples / lists of them)."""
+    if isinstance(value, jax.extend.core.ClosedJaxpr):
+        yield value.jaxpr
+    elif isinstance(value, jax.extend.core.Jaxpr):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from sub_jaxprs(item)
+
+
 def on_gpu() -> bool:
     return jax.default_backend() in ("gpu", "cuda", "rocm")
 

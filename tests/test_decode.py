@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import flashlax
-from conftest import TOLERANCES, normal, rel_err
+from conftest import TOLERANCES, normal, rel_err, sub_jaxprs
 from flashlax import masks, score_mods
 from flashlax.fallbacks.decode import choose_num_splits, decode_attention_xla
 from flashlax.reference import attention_reference, decode_reference
@@ -178,10 +178,11 @@ def test_errors(message, args, kwargs):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("bad", [65, 0, -5, 1])
+@pytest.mark.parametrize("bad", [65, 0, -5, 1, 2 ** 31 - 1, -2 ** 31])
 def test_traced_out_of_range_kv_lens_give_nan_rows(impl, bad):
     """Under jit kv_lens cannot be range-checked: a length outside [Lq, Lmax] gives NaN rows for that batch
-    element (output and lse), never plausible numbers; the other batch elements are unaffected."""
+    element (output and lse), never plausible numbers (the int32 extremes too: int32 lengths reach the
+    implementations unclipped); the other batch elements are unaffected."""
     q, k, v, _ = _inputs(9, 2, 4, 2, 2, 64, 16)
     lens = jnp.array([64, bad], jnp.int32)
     out, lse = jax.jit(lambda lens: flashlax.decode_attention(q, k, v, kv_lens=lens, return_lse=True,
@@ -190,6 +191,46 @@ def test_traced_out_of_range_kv_lens_give_nan_rows(impl, bad):
     assert np.all(np.isnan(out[1])) and np.all(np.isnan(lse[1]))
     np.testing.assert_allclose(out[:1], ok_out, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(lse[:1], ok_lse, rtol=1e-6, atol=1e-6)
+
+
+def _primitives(jaxpr) -> list[str]:
+    """The primitives a jaxpr runs, in order, nested calls inlined, a pallas_call as one name."""
+    names = []
+    for eqn in jaxpr.eqns:
+        subs = [] if eqn.primitive.name == "pallas_call" else [
+            sub for param in eqn.params.values() for sub in sub_jaxprs(param)]
+        if not subs:
+            names.append(eqn.primitive.name)
+        for sub in subs:
+            names += _primitives(sub)
+    return names
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("dtype", ["int32", "int64"])
+def test_traced_kv_lens_guard_in_the_kernel(num_splits, dtype):
+    """The Pallas path (interpreted) with traced kv_lens: NaN rows outside [Lq, Lmax] for int32 and (x64)
+    int64 lengths, extremes included; the guard is the kernel's final store (one split, or the merge in the
+    kernel): nothing but reshapes follows the pallas_call, and int32 lengths reach it unclipped (in a
+    serving step every op around the kernel costs host time)."""
+    q, k, v, _ = _inputs(10, 4, 4, 2, 2, 200, 16)
+    big = 2 ** 31 - 1 if dtype == "int32" else 2 ** 40
+    with jax.enable_x64(dtype == "int64"):
+        lens = jnp.array([200, big, 130, -big], dtype)
+        call = lambda lens: flashlax.decode_attention(q, k, v, kv_lens=lens, return_lse=True,  # noqa: E731
+                                                      impl="pallas", interpret=True, num_splits=num_splits)
+        out, lse = (np.asarray(x) for x in jax.jit(call)(lens))
+        prims = _primitives(jax.make_jaxpr(call)(lens).jaxpr)
+    want_out, want_lse = flashlax.decode_attention(q[::2], k[::2], v[::2], kv_lens=jnp.array([200, 130]),
+                                                   return_lse=True, impl="xla")
+    assert np.isnan(out[1::2]).all() and np.isnan(lse[1::2]).all()
+    np.testing.assert_allclose(out[::2], want_out, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(lse[::2], want_lse, rtol=2e-5, atol=2e-6)
+    kernel = prims.index("pallas_call")
+    assert set(prims[kernel + 1:]) == {"reshape"}, prims
+    before = {"reshape", "broadcast_in_dim"} if num_splits > 1 else {"reshape"}   # the merge's counters
+    if dtype == "int32":
+        assert set(prims[:kernel]) == before, prims
 
 
 @pytest.mark.parametrize("num_splits,max_len", [(4, 96), (1, 40), (3, 90)])

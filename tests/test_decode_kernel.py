@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import flashlax
 from conftest import TOLERANCES, normal, on_gpu, rel_err
 from flashlax import masks, score_mods
 from flashlax.fallbacks.decode import decode_attention_xla
@@ -209,6 +210,43 @@ def test_kv_lens_never_recompile_and_stay_in_bounds():
     assert f._cache_size() == 1
 
 
+@pytest.mark.parametrize("path", ["one_split", "merge_in_kernel", "xla_merge", "paged", "xla_mod"])
+def test_nan_outside_lens_in_every_final_store(path):
+    """``nan_outside_lens`` (the front end's guard for traced kv_lens): every store that writes the final
+    output (one split, the in-kernel merge, the XLA merge, paged, the XLA path for a mod the kernel cannot
+    run) gives NaN rows for lengths outside [Lq, Lmax], int32 extremes included, and leaves the other batch
+    elements exactly as the unguarded call writes them, right against the reference."""
+    batch, lq, max_len, page = 6, 3, 48, 16
+    q, k, v, _ = _inputs(21, batch, 4, 2, lq, max_len, 64, kv_lens=[max_len] * batch)
+    lens = jnp.asarray([max_len, lq - 1, 20, max_len + 1, 2 ** 31 - 1, -2 ** 31], jnp.int32)
+    good = np.asarray([True, False, True, False, False, False])
+    cfg = dataclasses.replace(decode_config(64, 64, q.dtype, "cpu-interpret"), block_kv=16)
+    splits, kk, vv, kw, mods = 3, k, v, {}, {}
+    if path == "one_split":
+        splits = 1
+    elif path == "xla_merge":
+        cfg = dataclasses.replace(cfg, merge_in_kernel_kb=0)
+    elif path == "paged":   # sequence b's pages in pool order b * pages + p
+        pages = max_len // page
+        kk, vv = (c.reshape(batch, 2, pages, page, 64).transpose(0, 2, 1, 3, 4).reshape(batch * pages, 2, page, 64)
+                  for c in (k, v))
+        kw = dict(block_table=jnp.arange(batch * pages, dtype=jnp.int32).reshape(batch, pages))
+    elif path == "xla_mod":
+        mods = dict(score_mod=lambda s, b, h, q_idx, kv_idx: s + jnp.sum(_BIAS) + _BIAS[h % 4])
+    if path != "xla_mod":   # the store path the config takes
+        partials = kernel_outputs(q, kk, vv, lens, scale=0.125, num_splits=splits, config=cfg, interpret=True,
+                                  **kw)[2]
+        assert partials == (path == "xla_merge")
+    call = jax.jit(lambda lens, guard: _pallas(q, kk, vv, lens, scale=0.125, num_splits=splits, config=cfg,
+                                               nan_outside_lens=guard, **kw, **mods), static_argnums=1)
+    out, lse = (np.asarray(x) for x in call(lens, True))
+    plain_out, plain_lse = (np.asarray(x) for x in call(lens, False))
+    assert np.isnan(out[~good]).all() and np.isnan(lse[~good]).all()
+    np.testing.assert_array_equal(out[good], plain_out[good])
+    np.testing.assert_array_equal(lse[good], plain_lse[good])
+    _check(out[good], lse[good], *_reference(q[good], k[good], v[good], lens[good], scale=0.125, **mods), q.dtype)
+
+
 def test_merge_splits():
     """The log-sum-exp merge: splits that saw nothing weigh 0, rows no split saw give 0 and -inf."""
     parts = jnp.array([[[1.0], [5.0]], [[3.0], [7.0]]])        # [S=2, rows=2, Dv=1]
@@ -245,10 +283,12 @@ LOWERINGS = [
 ]
 
 
+@pytest.mark.parametrize("guard", [False, True], ids=["plain", "nan_guard"])
 @pytest.mark.parametrize("case", LOWERINGS, ids=[f"g{c[0] // c[1]}_lq{c[2]}_d{c[4]}_{c[6]}" for c in LOWERINGS])
-def test_lowers_to_triton(case):
-    """The kernel (inline-PTX FMA + ex2, both loops, masked loads, row blocks, mods) goes through the Pallas
-    Triton lowering for an abstract H200 with the configs the entry point picks."""
+def test_lowers_to_triton(case, guard):
+    """The kernel (inline-PTX FMA + ex2, both loops, masked loads, row blocks, mods, the traced-lengths NaN
+    guard in its final store) goes through the Pallas Triton lowering for an abstract H200 with the configs
+    the entry point picks."""
     hq, hkv, lq, max_len, d, dtype, mods = case
     abstract = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="gpu")
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=abstract)
@@ -258,7 +298,8 @@ def test_lowers_to_triton(case):
           None: {}}[mods]
 
     def f(q, k, v, lens):
-        return decode_attention_pallas(q, k, v, kv_lens=lens, device_kind="NVIDIA H200", **kw)
+        return decode_attention_pallas(q, k, v, kv_lens=lens, device_kind="NVIDIA H200", nan_outside_lens=guard,
+                                       **kw)
 
     sd = lambda *shape: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
     with jax.sharding.use_abstract_mesh(mesh):
@@ -375,6 +416,25 @@ def test_gpu_matches_xla(case):
     assert rel_err(np.asarray(out, np.float64), np.asarray(ref_out, np.float64)) <= tol
     assert rel_err(np.asarray(out, np.float64), np.asarray(xla_out, np.float64)) <= tol
     np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=tol, atol=tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lq,num_splits", [(1, None), (16, None), (4, 1)])
+def test_gpu_traced_lens_nan_rows(lq, num_splits):
+    """The serving call on the GPU (kv_lens a traced argument): lengths outside [Lq, Lmax], int32 extremes
+    included, give NaN rows from the kernel's final store (the merge in the kernel at Lq 1, one split) or
+    the XLA merge (Lq 16); the other sequences match the XLA path."""
+    q, k, v, _ = _inputs(12, 4, 32, 8, lq, 16384, 128, jnp.bfloat16, kv_lens=[16384] * 4)
+    lens = jnp.asarray([16384, lq - 1, 9000, 2 ** 31 - 1], jnp.int32)
+    out, lse = jax.jit(lambda lens: flashlax.decode_attention(q, k, v, kv_lens=lens, return_lse=True, impl="pallas",
+                                                              num_splits=num_splits))(lens)
+    out, lse = np.asarray(out, np.float32), np.asarray(lse)
+    assert np.isnan(out[1::2]).all() and np.isnan(lse[1::2]).all()
+    good = jnp.asarray([0, 2])
+    xla_out, xla_lse = _xla(q[good], k[good], v[good], lens[good], 128 ** -0.5)
+    tol = TOLERANCES["bfloat16"]
+    assert rel_err(out[::2].astype(np.float64), np.asarray(xla_out, np.float64)) <= tol
+    np.testing.assert_allclose(lse[::2], np.asarray(xla_lse), rtol=tol, atol=tol)
 
 
 def test_x64_in_a_fresh_process():

@@ -14,23 +14,13 @@ import numpy as np
 import pytest
 from jax import lax
 
-from conftest import on_gpu, rel_err
+from conftest import on_gpu, rel_err, sub_jaxprs
 from flashlax import _precision, decode_attention, flex_attention, gated_delta_rule, masks
 from flashlax.kernels.ssd import gated_delta_rule_ssd
 
 INTERPRET = not on_gpu()
 FULL = {"HIGHEST", "TF32_TF32_F32_X3"}
 ONE_PASS = {"DEFAULT", "HIGH"}
-
-
-def _jaxprs(value):
-    if isinstance(value, jax.extend.core.ClosedJaxpr):
-        yield value.jaxpr
-    elif isinstance(value, jax.extend.core.Jaxpr):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from _jaxprs(item)
 
 
 def dot_precisions(fn, *args) -> collections.Counter:
@@ -46,7 +36,7 @@ def dot_precisions(fn, *args) -> collections.Counter:
                     prec.name if isinstance(prec, lax.DotAlgorithmPreset) else str(prec[0]))
                 counts[str(eqn.invars[0].aval.dtype), name] += 1
             for param in eqn.params.values():
-                for sub in _jaxprs(param):
+                for sub in sub_jaxprs(param):
                     walk(sub)
 
     walk(jax.make_jaxpr(fn)(*args).jaxpr)

@@ -107,7 +107,8 @@ def decode_attention_xla(q, k_cache, v_cache, *, kv_lens, scale, num_splits=None
     init = (jnp.full(state, NEG_INF, acc_t), jnp.zeros(state, acc_t), jnp.zeros(state + (dv,), acc_t))
     init = match_vma(init, q, k_cache, v_cache, kv_lens)
     # Steps needed by the longest sequence (split 0 is the fullest); a traced trip count: no recompiles.
-    steps = _cdiv(jnp.minimum(jnp.max(kv_lens), split_len), chunk)
+    # Clipped below too: any int32 length (traced, unchecked) gives a count in [0, split_len / chunk].
+    steps = _cdiv(jnp.clip(jnp.max(kv_lens), 0, split_len), chunk)
     m, l, acc = lax.fori_loop(0, steps.astype(i32), step, init)
 
     # Merge the splits by log-sum-exp.
@@ -123,3 +124,13 @@ def decode_attention_xla(q, k_cache, v_cache, *, kv_lens, scale, num_splits=None
         return out
     lse = jnp.where(has_any, m_all_safe + jnp.log(l_safe), NEG_INF).reshape(batch, q_heads, q_len)
     return out, lse
+
+
+def nan_rows(result, kv_lens, q_len: int, max_len: int):
+    """``result`` (out [B, Hq, Lq, Dv], or (out, lse [B, Hq, Lq])) with NaN rows for the batch elements whose
+    kv_lens lie outside [Lq, Lmax]: the guard for traced lengths, which cannot be checked."""
+    bad = (kv_lens < q_len) | (kv_lens > max_len)
+    if isinstance(result, tuple):
+        out, lse = result
+        return jnp.where(bad[:, None, None, None], jnp.nan, out), jnp.where(bad[:, None, None], jnp.nan, lse)
+    return jnp.where(bad[:, None, None, None], jnp.nan, result)

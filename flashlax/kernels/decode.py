@@ -12,7 +12,9 @@ splits past its end do no loads, and changing the values never recompiles. A spl
 every new token sees whole (plain loads, no mask), then the last one or two tiles (loads masked by
 kv_lens, so rows past it are never read and NaN there cannot leak; new token i sees positions
 <= kv_lens - Lq + i). The rows read are clamped into [0, Lmax), so traced out-of-range values stay memory
-safe (the new tokens' positions use kv_lens as given).
+safe (the new tokens' positions use kv_lens as given). With ``nan_outside_lens`` (the front end's guard for
+traced lengths) the store of the final output writes NaN rows for a length outside [Lq, Lmax], so a serving
+step runs no XLA op after the kernel.
 
 Each split writes a float32 partial output normalised by its own sum, and its log-sum-exp. The splits are
 merged in float32 in the same launch when one program's partials are small (``DecodeConfig.merge_in_kernel_kb``,
@@ -85,6 +87,7 @@ class _Static:
     page_size: int = 0        # > 0: paged K/V (num_pages, max_pages below)
     num_pages: int = 0
     max_pages: int = 0
+    nan_guard: bool = False   # the final store writes NaN rows where kv_lens lies outside [Lq, Lmax]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -189,7 +192,15 @@ def _decode_kernel(kv_lens_ref, *refs, st: _Static, n_score_cap: int, groups: in
 
     m, l, acc = carry[:3]
     out, lse = _tiles.softmax_finalize(acc, m, l, mult)
+    # A length outside [Lq, Lmax] (traced, so unchecked) gives NaN rows in the final output, never plausible
+    # numbers; the value as given (int32 holds every int32 length exactly; the front end clips wider ones to
+    # [-1, Lmax + 1] first).
+    bad = None
+    if st.nan_guard:
+        bad = (kv_lens_ref[0] < q_len) | (kv_lens_ref[0] > max_len)
     if not fused:
+        if bad is not None:   # one split: this store is the final output
+            out, lse = _nan_if(bad, out, lse)
         _tiles.store_tile(o_ref, row0, out, rows, dv)     # q's dtype with one split, else float32 partials
         _tiles.store_vec(lse_ref, row0, lse, rows)
         return
@@ -208,7 +219,13 @@ def _decode_kernel(kv_lens_ref, *refs, st: _Static, n_score_cap: int, groups: in
 
     @pl.when(arrived == st.splits - 1)
     def _merge():
-        _merge_partials(o_part_ref, lse_part_ref, o_ref, lse_ref, row0, st.splits, st.merge_rows, rows, dvp, dv)
+        _merge_partials(o_part_ref, lse_part_ref, o_ref, lse_ref, row0, st.splits, st.merge_rows, rows, dvp, dv,
+                        bad)
+
+
+def _nan_if(bad, out, lse):
+    """out [rows, dv] and lse [rows] replaced by NaN where the scalar ``bad`` holds."""
+    return jnp.where(bad, jnp.nan, out), jnp.where(bad, jnp.nan, lse)
 
 
 def _merge_chunk(splits: int, merge_rows: int, dvp: int) -> int:
@@ -218,13 +235,13 @@ def _merge_chunk(splits: int, merge_rows: int, dvp: int) -> int:
 
 
 def _merge_partials(o_part_ref, lse_part_ref, o_ref, lse_ref, row0, splits: int, rp: int, rows: int,
-                    dvp: int, dv: int):
+                    dvp: int, dv: int, bad=None):
     """The log-sum-exp merge of :func:`merge_splits` inside the kernel, for the ``rp`` rows from row0 of one
     group (rp: the rows of the program's block, a power of two, not padded to 16: no dot here). The splits
     in chunks of ``sc`` ([sc, rp, dvp] float32 partials, read back from L2, which holds them), unrolled so
     every chunk's loads are in flight together, in split order with an online max. Rows no split saw give
     0 and lse -inf. Plain loads: this program never read these addresses before, so its L1 holds no stale
-    copy, and they come after the counter's acquire."""
+    copy, and they come after the counter's acquire. ``bad``: a scalar bool, NaN rows where it holds."""
     sc = _merge_chunk(splits, rp, dvp)
     i32 = jnp.int32   # every index of one load the same integer type (Python ints are int64 under x64)
     row0, zero = jnp.asarray(row0, i32), i32(0)
@@ -246,6 +263,8 @@ def _merge_partials(o_part_ref, lse_part_ref, o_ref, lse_ref, row0, splits: int,
         acc = acc * alpha[:, None] + jnp.sum(part * w[:, :, None], axis=0)
         m = m_new
     out, lse = _merged(acc, tot, m)
+    if bad is not None:
+        out, lse = _nan_if(bad, out, lse)
     _tiles.store_tile(o_ref, row0, out, rows, dv)
     _tiles.store_vec(lse_ref, row0, lse, rows)
 
@@ -389,7 +408,7 @@ def _check_inputs(q, k_cache, v_cache, block_table=None):
 def decode_attention_pallas(q, k_cache, v_cache, *, kv_lens=None, block_table=None, scale=None,
                             num_splits: int | None = None, score_mod=None, mask_mod=None, return_lse: bool = False,
                             interpret: bool = False, config: DecodeConfig | None = None,
-                            device_kind: str | None = None):
+                            device_kind: str | None = None, nan_outside_lens: bool = False):
     """Split-KV flash decoding, Pallas/Triton kernel.
 
     q: [B, Hq, Lq, D] (1 <= Lq <= 16 in the contract), k_cache: [B, Hkv, Lmax, D], v_cache:
@@ -400,6 +419,9 @@ def decode_attention_pallas(q, k_cache, v_cache, *, kv_lens=None, block_table=No
     read in the kernel. num_splits: None (chosen from B * Hkv, Lmax and the multiprocessor count) or any
     positive int (splits past the cache are empty). Returns out [B, Hq, Lq, Dv] in q's dtype (and lse
     [B, Hq, Lq] float32, natural log). ``config``: a DecodeConfig (default: :func:`decode_config`).
+    ``nan_outside_lens``: batch elements whose kv_lens lie outside [Lq, Lmax] get NaN rows (output and lse),
+    written by the kernel's final store where it has one (the front end's guard for traced lengths, which it
+    cannot check; kv_lens must then fit int32, the front end clips wider ones to [-1, Lmax + 1]).
     """
     block_table = _check_inputs(q, k_cache, v_cache, block_table)
     batch, q_heads, q_len, d = q.shape
@@ -410,21 +432,25 @@ def decode_attention_pallas(q, k_cache, v_cache, *, kv_lens=None, block_table=No
                else jnp.asarray(kv_lens).astype(jnp.int32))
     tile_mods = _tiles.make_tile_mods(score_mod, mask_mod)
     if tile_mods is None:       # a mod the kernel cannot evaluate on tiles: the XLA split-KV path
-        from flashlax.fallbacks.decode import decode_attention_xla
+        from flashlax.fallbacks.decode import decode_attention_xla, nan_rows
         if block_table is not None:
             k_cache, v_cache = (paged.gather_pages(c, block_table) for c in (k_cache, v_cache))
-        return decode_attention_xla(q, k_cache, v_cache, kv_lens=kv_lens, scale=scale, num_splits=num_splits,
-                                    score_mod=score_mod, mask_mod=mask_mod, return_lse=return_lse)
+        result = decode_attention_xla(q, k_cache, v_cache, kv_lens=kv_lens, scale=scale, num_splits=num_splits,
+                                      score_mod=score_mod, mask_mod=mask_mod, return_lse=return_lse)
+        return nan_rows(result, kv_lens, q_len, max_len) if nan_outside_lens else result
     score_tm, mask_tm = tile_mods
     out, lse, partials = kernel_outputs(q, k_cache, v_cache, kv_lens, scale=scale, num_splits=num_splits,
                                         score_tm=score_tm, mask_tm=mask_tm, interpret=interpret, config=config,
-                                        device_kind=device_kind, block_table=block_table)
+                                        device_kind=device_kind, block_table=block_table,
+                                        nan_outside_lens=nan_outside_lens)
     if partials:
         out, lse = merge_splits(out, lse)
     out = out.astype(q.dtype).reshape(batch, q_heads, q_len, dv)
-    if not return_lse:
-        return out
-    return out, lse.reshape(batch, q_heads, q_len)
+    result = (out, lse.reshape(batch, q_heads, q_len)) if return_lse else out
+    if partials and nan_outside_lens:   # merged in XLA: the guard is an XLA step after the merge
+        from flashlax.fallbacks.decode import nan_rows
+        return nan_rows(result, kv_lens, q_len, max_len)
+    return result
 
 
 def _smem_view(cfg: DecodeConfig, page_size: int) -> DecodeConfig:
@@ -462,13 +488,14 @@ def launch_config(config: DecodeConfig | None, d: int, dv: int, dtype, device_ki
 
 def kernel_outputs(q, k_cache, v_cache, kv_lens, *, scale: float, num_splits, score_tm: TileMod | None = None,
                    mask_tm: TileMod | None = None, interpret: bool = False, config: DecodeConfig | None = None,
-                   device_kind: str | None = None, block_table=None):
+                   device_kind: str | None = None, block_table=None, nan_outside_lens: bool = False):
     """The kernel's launch for validated inputs (kv_lens int32 [B], scale a float, mods as TileMods,
     block_table None or int32 [B, max_pages] with paged caches): ``(out, lse, partials)``, with out
     [B, Hkv, G * Lq, Dv] in q's dtype and lse [B, Hkv, G * Lq] when ``partials`` is False (one split, or the
     splits merged in the kernel: ``config.merge_in_kernel_kb``), else the float32 partials
     [B, Hkv, splits, G * Lq, Dv] and [B, Hkv, splits, G * Lq] for :func:`merge_splits`. Picks and checks the
-    config and the split count."""
+    config and the split count. ``nan_outside_lens``: the final output's rows are NaN for batch elements whose
+    kv_lens lie outside [Lq, Lmax] (the partials are not guarded: the caller's merge must do it)."""
     batch, q_heads, q_len, d = q.shape
     _, kv_heads, max_len, dv = v_cache.shape
     paging = {}
@@ -500,7 +527,8 @@ def kernel_outputs(q, k_cache, v_cache, kv_lens, *, scale: float, num_splits, sc
     fused = splits > 1 and splits * merge_rows * _padded(dv) * 4 <= cfg.merge_in_kernel_kb * 1024
     st = _Static(config=cfg, block_rows=block_rows, row_blocks=row_blocks, splits=splits,
                  tiles_per_split=tiles_per_split, scale=scale, score_mod=score_tm, mask_mod=mask_tm,
-                 interpret=bool(interpret), merge_in_kernel=fused, merge_rows=merge_rows, **paging)
+                 interpret=bool(interpret), merge_in_kernel=fused, merge_rows=merge_rows,
+                 nan_guard=bool(nan_outside_lens) and (fused or splits == 1), **paging)
     captured = tuple(jnp.asarray(c) for tm in (score_tm, mask_tm) if tm is not None for c in tm.captured)
     n_score_cap = score_tm.num_captured if score_tm is not None else 0
     out, lse = _decode_call(st, q, k_cache, v_cache, kv_lens, captured, n_score_cap, block_table)

@@ -318,9 +318,12 @@ def flex_attention(fn: Callable, impl: str, q, k, v, *, score_mod, mask_mod, blo
 
 def decode_attention(fn: Callable, impl: str, q, k_cache, v_cache, *, kv_lens, scale, num_splits, score_mod,
                      mask_mod, return_lse: bool, interpret: bool, context_axis: str | None,
-                     extra: dict | None = None):
+                     extra: dict | None = None, lens_range: tuple[int, int] | None = None):
     """decode_attention's implementation ``fn`` per shard of the batch and heads, or over a cache split
-    along its sequence axis (``context_axis``, :func:`flashlax.parallel.sequence.decode_attention`)."""
+    along its sequence axis (``context_axis``, :func:`flashlax.parallel.sequence.decode_attention`).
+    ``lens_range`` (Lq, Lmax), for traced kv_lens: NaN rows where a length lies outside it, written by the
+    Pallas kernel on one placement, else by an XLA step after the call (a cache split along its sequence
+    gives its shards lengths outside [Lq, Lmax] on purpose)."""
     op = "decode_attention"
     extra = extra or {}
     heads, kv_heads = q.shape[1], k_cache.shape[1]
@@ -329,17 +332,32 @@ def decode_attention(fn: Callable, impl: str, q, k_cache, v_cache, *, kv_lens, s
     placement = plan(op, q, k_cache, v_cache, heads=heads, kv_heads=kv_heads, context_axis=context_axis,
                      check_vma=not interpret, kernel=impl == "pallas")
 
-    def call(q, k_cache, v_cache, kv_lens, score_mod, mask_mod, return_lse=return_lse):
+    def call(q, k_cache, v_cache, kv_lens, score_mod, mask_mod, return_lse=return_lse, **kw):
         return fn(q, k_cache, v_cache, kv_lens=kv_lens, scale=scale, num_splits=num_splits, score_mod=score_mod,
-                  mask_mod=mask_mod, return_lse=return_lse, interpret=interpret, **extra)
+                  mask_mod=mask_mod, return_lse=return_lse, interpret=interpret, **extra, **kw)
 
     if placement is None:
-        return call(q, k_cache, v_cache, kv_lens, score_mod, mask_mod)
-    _unsupported_extras(op, "sharded inputs", extra, False)
-    if context_axis is not None:
+        if lens_range is not None and impl == "pallas":   # the kernel's final store writes the NaN rows
+            return call(q, k_cache, v_cache, kv_lens, score_mod, mask_mod, nan_outside_lens=True)
+        result = call(q, k_cache, v_cache, kv_lens, score_mod, mask_mod)
+    else:
+        _unsupported_extras(op, "sharded inputs", extra, False)
+        result = _decode_sharded(placement, call, q, k_cache, v_cache, kv_lens, score_mod=score_mod,
+                                 mask_mod=mask_mod, return_lse=return_lse)
+    if lens_range is None:
+        return result
+    from flashlax.fallbacks.decode import nan_rows
+    return nan_rows(result, kv_lens, *lens_range)
+
+
+def _decode_sharded(placement, call, q, k_cache, v_cache, kv_lens, *, score_mod, mask_mod, return_lse: bool):
+    """decode_attention's ``call`` per shard of the batch and heads, or over a cache split along its sequence
+    axis (``placement.context``)."""
+    if placement.context is not None:
         from flashlax.parallel import sequence
         return sequence.decode_attention(placement, call, q, k_cache, v_cache, kv_lens, score_mod=score_mod,
                                          mask_mod=mask_mod, return_lse=return_lse)
+    heads, kv_heads = q.shape[1], k_cache.shape[1]
 
     def local(placement, mods, q, k_cache, v_cache, kv_lens):
         score_mod, mask_mod = mods

@@ -97,6 +97,23 @@ def test_decode_attention(impl):
     _check(fn, (q, k, v), (BH,) * 3, BH, differentiable=False)
 
 
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_decode_attention_traced_lens_outside_range(impl):
+    """Traced kv_lens outside [Lq, Lmax] on inputs sharded over batch and heads: NaN rows for those
+    sequences, the others as on one device."""
+    q, k, v = _attention_inputs()
+    fn = jax.jit(lambda q, k, v, lens: flashlax.decode_attention(q, k, v, kv_lens=lens, return_lse=True,
+                                                                 impl=impl, interpret=impl == "pallas"))
+    lens = jnp.asarray([L, 2, 20, L + 1], jnp.int32)
+    q = q[:, :, :3]
+    out, lse = (np.asarray(x) for x in fn(*(put(MESH, BH, x) for x in (q, k, v)), put(MESH, P("b"), lens)))
+    ok = np.asarray([True, False, True, False])
+    want_out, want_lse = flashlax.decode_attention(q[ok], k[ok], v[ok], kv_lens=lens[ok], return_lse=True,
+                                                   impl="xla")
+    assert np.isnan(out[~ok]).all() and np.isnan(lse[~ok]).all()
+    assert_close((out[ok], lse[ok]), (want_out, want_lse))
+
+
 @pytest.mark.parametrize("impl", [pytest.param("recurrent", marks=pytest.mark.slow), "chunked",
                                   pytest.param("chunked_fat", marks=pytest.mark.slow), "ssd"])
 def test_gated_delta_rule(impl):

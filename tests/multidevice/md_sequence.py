@@ -4,6 +4,7 @@ values (and gradients) of one device."""
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -40,6 +41,25 @@ def test_decode_attention(impl):
             got = split(*((put(MESH, P("b"), q),) + put(MESH, SEQ, k, v)), lens)
         assert_close(got, single(q, k, v, lens), what=f"kv_lens={lens}")
     assert specs(got) == [("b", None, None, None), ("b", None, None)]
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_decode_attention_traced_lens_outside_range(impl):
+    """Traced kv_lens outside [Lq, Lmax] give NaN rows over a sequence-split cache as on one device (the
+    shards' own lengths lie outside that range on purpose, so the guard runs after the merge); the other
+    sequence's rows are untouched."""
+    q, k, v = normal(0, (B, HQ, LQ, D)), normal(1, (B, HKV, LMAX, D)), normal(2, (B, HKV, LMAX, D))
+    split = jax.jit(lambda q, k, v, lens: flashlax.decode_attention(
+        q, k, v, kv_lens=lens, return_lse=True, impl=impl, interpret=impl == "pallas", context_axis="sp"))
+    for lens, bad in (([LMAX + 1, 40], 0), ([33, LQ - 1], 1), ([33, -2 ** 31], 1)):
+        lens = jnp.asarray(lens, jnp.int32)
+        with jax.set_mesh(MESH):
+            out, lse = (np.asarray(x) for x in split(*((put(MESH, P("b"), q),) + put(MESH, SEQ, k, v)), lens))
+        ok = 1 - bad
+        want = flashlax.decode_attention(q[ok:ok + 1], k[ok:ok + 1], v[ok:ok + 1], kv_lens=lens[ok:ok + 1],
+                                         return_lse=True, impl="xla")
+        assert np.isnan(out[bad]).all() and np.isnan(lse[bad]).all(), f"kv_lens={lens}"
+        assert_close((out[ok:ok + 1], lse[ok:ok + 1]), want, what=f"kv_lens={lens}")
 
 
 def test_decode_attention_cache_too_short():
