@@ -123,32 +123,38 @@ MERGE_CASES = [
 
 
 @pytest.mark.parametrize("case", MERGE_CASES, ids=[c[0] for c in MERGE_CASES])
-def test_merge_in_kernel_and_xla_merge(case):
-    """The two merges of the splits (the last split of a group merging in the kernel, the default; a fused
-    XLA step) against the reference and each other: several merge steps, row blocks (each its own arrival
-    counter), splits past a sequence's end (partials with lse -inf), ragged kv_lens with NaN past them."""
+def test_merges_of_the_splits(case):
+    """The three merges of the splits (the last split of a group merging in the kernel, the default; a fused
+    XLA step; a second Pallas launch, ``merge_kernel_rows`` rows per program, the last row block ragged where
+    the group's rows are not a multiple) against the reference and each other: several merge steps, row
+    blocks (each its own arrival counter), splits past a sequence's end (partials with lse -inf), ragged
+    kv_lens with NaN past them."""
     name, batch, hq, hkv, lq, max_len, d, splits, block_rows = case
     lens = [max_len, lq + 20][:batch]      # most of the second sequence's splits see nothing
     q, k, v, lens = _inputs(sum(map(ord, name)), batch, hq, hkv, lq, max_len, d, kv_lens=lens)
     base = decode_config(d, d, q.dtype, "cpu-interpret")
     assert base.merge_in_kernel_kb > 0
     results = {}
-    for fused in (True, False):
-        cfg = dataclasses.replace(base, merge_in_kernel_kb=base.merge_in_kernel_kb if fused else 0, block_kv=16,
-                                  block_rows=block_rows)
+    for mode, fields in (("kernel", {}), ("xla", dict(merge_in_kernel_kb=0)),
+                         ("launch", dict(merge_in_kernel_kb=0, merge_kernel_rows=2 if hq * lq // hkv % 4 else 4))):
+        cfg = dataclasses.replace(base, block_kv=16, block_rows=block_rows, **fields)
         _, _, partials = kernel_outputs(q, k, v, lens, scale=0.1, num_splits=splits, config=cfg, interpret=True)
-        assert partials != fused       # the kernel merged (or left partials for the XLA merge)
-        if fused:                      # partials over the size limit: the XLA merge
+        assert partials == (mode == "xla")    # the kernel or the second launch merged, or XLA merges the partials
+        if mode == "kernel":                  # partials over the size limit: the XLA merge
             small = dataclasses.replace(cfg, merge_in_kernel_kb=1)
             assert kernel_outputs(q, k, v, lens, scale=0.1, num_splits=splits, config=small, interpret=True)[2]
-        results[fused] = _pallas(q, k, v, lens, num_splits=splits, config=cfg)
-        _check(*results[fused], *_reference(q, k, v, lens), q.dtype)
-    np.testing.assert_allclose(np.asarray(results[True][0]), np.asarray(results[False][0]), rtol=1e-5, atol=1e-6)
+        results[mode] = _pallas(q, k, v, lens, num_splits=splits, config=cfg)
+        _check(*results[mode], *_reference(q, k, v, lens), q.dtype)
+    for mode in ("xla", "launch"):
+        np.testing.assert_allclose(np.asarray(results[mode][0]), np.asarray(results["kernel"][0]), rtol=1e-5,
+                                   atol=1e-6)
+        np.testing.assert_allclose(np.asarray(results[mode][1]), np.asarray(results["kernel"][1]), rtol=1e-5,
+                                   atol=1e-6)
     if name == MERGE_CASES[0][0]:   # vmap adds a grid axis: each mapped call gets its own counters
         cfg = dataclasses.replace(base, block_kv=16, block_rows=block_rows)
         one = lambda q: _pallas(q, k, v, lens, num_splits=splits, config=cfg)[0]  # noqa: E731
         stacked = jax.vmap(one)(jnp.stack([q, -0.5 * q]))
-        np.testing.assert_allclose(np.asarray(stacked[0]), np.asarray(results[True][0]), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(stacked[0]), np.asarray(results["kernel"][0]), rtol=1e-6, atol=1e-6)
         np.testing.assert_allclose(np.asarray(stacked[1]), np.asarray(one(-0.5 * q)), rtol=1e-6, atol=1e-6)
         with jax.enable_x64(True):   # int64 kv_lens; the counters and index arithmetic stay int32
             x64 = jax.jit(lambda q, lens: _pallas(q, k, v, lens, num_splits=splits, config=cfg))(q, lens.astype(jnp.int64))
@@ -210,11 +216,11 @@ def test_kv_lens_never_recompile_and_stay_in_bounds():
     assert f._cache_size() == 1
 
 
-@pytest.mark.parametrize("path", ["one_split", "merge_in_kernel", "xla_merge", "paged", "xla_mod"])
+@pytest.mark.parametrize("path", ["one_split", "merge_in_kernel", "xla_merge", "merge_launch", "paged", "xla_mod"])
 def test_nan_outside_lens_in_every_final_store(path):
     """``nan_outside_lens`` (the front end's guard for traced kv_lens): every store that writes the final
-    output (one split, the in-kernel merge, the XLA merge, paged, the XLA path for a mod the kernel cannot
-    run) gives NaN rows for lengths outside [Lq, Lmax], int32 extremes included, and leaves the other batch
+    output (one split, the in-kernel merge, the XLA merge, the merge launch, paged, the XLA path for a mod
+    the kernel cannot run) gives NaN rows for lengths outside [Lq, Lmax], int32 extremes included, and leaves the other batch
     elements exactly as the unguarded call writes them, right against the reference."""
     batch, lq, max_len, page = 6, 3, 48, 16
     q, k, v, _ = _inputs(21, batch, 4, 2, lq, max_len, 64, kv_lens=[max_len] * batch)
@@ -226,6 +232,8 @@ def test_nan_outside_lens_in_every_final_store(path):
         splits = 1
     elif path == "xla_merge":
         cfg = dataclasses.replace(cfg, merge_in_kernel_kb=0)
+    elif path == "merge_launch":
+        cfg = dataclasses.replace(cfg, merge_in_kernel_kb=0, merge_kernel_rows=4)
     elif path == "paged":   # sequence b's pages in pool order b * pages + p
         pages = max_len // page
         kk, vv = (c.reshape(batch, 2, pages, page, 64).transpose(0, 2, 1, 3, 4).reshape(batch * pages, 2, page, 64)
@@ -283,13 +291,17 @@ LOWERINGS = [
 ]
 
 
+@pytest.mark.parametrize("merge", ["default", "launch"])
 @pytest.mark.parametrize("guard", [False, True], ids=["plain", "nan_guard"])
 @pytest.mark.parametrize("case", LOWERINGS, ids=[f"g{c[0] // c[1]}_lq{c[2]}_d{c[4]}_{c[6]}" for c in LOWERINGS])
-def test_lowers_to_triton(case, guard):
+def test_lowers_to_triton(case, guard, merge):
     """The kernel (inline-PTX FMA + ex2, both loops, masked loads, row blocks, mods, the traced-lengths NaN
     guard in its final store) goes through the Pallas Triton lowering for an abstract H200 with the configs
-    the entry point picks."""
+    the entry point picks; ``launch``: with the large merges (Lq 16) in a second Pallas launch."""
     hq, hkv, lq, max_len, d, dtype, mods = case
+    config = None
+    if merge == "launch":
+        config = dataclasses.replace(decode_config(d, d, dtype, "NVIDIA H200"), merge_kernel_rows=4)
     abstract = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="gpu")
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=abstract)
     kw = {"alibi+window": dict(score_mod=score_mods.alibi(jnp.linspace(0.1, 0.8, hq)),
@@ -299,13 +311,15 @@ def test_lowers_to_triton(case, guard):
 
     def f(q, k, v, lens):
         return decode_attention_pallas(q, k, v, kv_lens=lens, device_kind="NVIDIA H200", nan_outside_lens=guard,
-                                       **kw)
+                                       config=config, **kw)
 
     sd = lambda *shape: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
     with jax.sharding.use_abstract_mesh(mesh):
         text = jax.jit(f).trace(sd(2, hq, lq, d), sd(2, hkv, max_len, d), sd(2, hkv, max_len, d),
                                 jax.ShapeDtypeStruct((2,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
     assert "decode_attention" in text
+    if merge == "launch" and (hq // hkv, lq) == (4, 16):   # 16 splits x 64 rows: over the in-kernel limit
+        assert "decode_merge" in text
 
 
 def test_rtx3090_decode_configs_fit_99kb():
@@ -358,6 +372,12 @@ def test_oversized_decode_config_is_rejected_and_shrunk():
 def test_decode_config_merge_in_kernel_kb_validated(bad):
     with pytest.raises(ValueError, match="merge_in_kernel_kb"):
         DecodeConfig(merge_in_kernel_kb=bad)
+
+
+@pytest.mark.parametrize("bad", [-1, True, 3, 1.0])
+def test_decode_config_merge_kernel_rows_validated(bad):
+    with pytest.raises(ValueError, match="merge_kernel_rows"):
+        DecodeConfig(merge_kernel_rows=bad)
 
 
 def test_num_splits_choice():
@@ -415,6 +435,30 @@ def test_gpu_matches_xla(case):
     tol = TOLERANCES[dtype]
     assert rel_err(np.asarray(out, np.float64), np.asarray(ref_out, np.float64)) <= tol
     assert rel_err(np.asarray(out, np.float64), np.asarray(xla_out, np.float64)) <= tol
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=tol, atol=tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [(1, 32, 8, 16, 65536, 128, "bfloat16"), (2, 40, 8, 16, 5000, 64, "float32"),
+                                  (3, 24, 8, 5, 20000 + 3, 96, "float16")])
+def test_gpu_merge_launch(case):
+    """The merge as a second Pallas launch (``merge_kernel_rows``) at real sizes, ragged kv_lens with NaN past
+    them: against the XLA merge of the same partials (float32 sums in another order) and a float32
+    reference."""
+    batch, hq, hkv, lq, max_len, d, dtype = case
+    q, k, v, lens = _inputs(13, batch, hq, hkv, lq, max_len, d, jnp.dtype(dtype))
+    base = dataclasses.replace(decode_config(d, d, q.dtype, jax.devices()[0].device_kind), merge_in_kernel_kb=0)
+    run = lambda cfg: jax.jit(lambda q, k, v, lens: decode_attention_pallas(  # noqa: E731
+        q, k, v, kv_lens=lens, return_lse=True, config=cfg))(q, k, v, lens)
+    out, lse = run(dataclasses.replace(base, merge_kernel_rows=4))
+    xla_out, xla_lse = run(base)
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    ref_out, ref_lse = decode_reference(f32(q), f32(k), f32(v), kv_lens=lens)
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+    tol = TOLERANCES[dtype]
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(xla_lse), rtol=1e-5, atol=1e-5)
+    assert rel_err(np.asarray(out, np.float64), np.asarray(xla_out, np.float64)) <= tol
+    assert rel_err(np.asarray(out, np.float64), np.asarray(ref_out, np.float64)) <= tol
     np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=tol, atol=tol)
 
 

@@ -223,7 +223,9 @@ class DecodeConfig:
     the same launch (the last split of a group to finish merges its partials; an atomic counter per group)
     when one program's float32 partials, all splits together, take at most ``merge_in_kernel_kb`` KB
     (one program reads them back: a larger merge is faster spread over the chip by the fused XLA step;
-    0: always the XLA step). H200, D128 bf16: one wave of programs was fastest at every measured shape;
+    0: always the XLA step). ``merge_kernel_rows`` > 0: such a larger merge runs as a second Pallas launch
+    instead of the XLA step, one program per ``merge_kernel_rows`` rows (a power of two) of a group.
+    H200, D128 bf16: one wave of programs was fastest at every measured shape;
     64-key tiles with 4 stages (about 134 KB of shared memory, one program per SM) beat 3 stages at two per
     SM by 2-6% at B1 L65536 and Lq 4-16, and equalled it at B8 / B32 (docs/PERF_NOTES.md).
     """
@@ -235,6 +237,7 @@ class DecodeConfig:
     programs_per_sm: int = 2
     min_split_tiles: int = 4
     merge_in_kernel_kb: int = 128
+    merge_kernel_rows: int = 0
     # Paged caches (issue 18): how a tile finds its pages (``_tiles.Pages.lookup``); how many loop steps
     # ahead it reads them (carried in the loop; 0: in the step; more than 1 stops Triton pipelining the
     # loop); ``paged``: (field, value) pairs a paged launch whose tiles span pages uses instead of this
@@ -258,6 +261,10 @@ class DecodeConfig:
         if isinstance(self.merge_in_kernel_kb, bool) or not isinstance(self.merge_in_kernel_kb, int) \
                 or self.merge_in_kernel_kb < 0:
             raise ValueError(f"DecodeConfig: merge_in_kernel_kb must be an int >= 0, got {self.merge_in_kernel_kb!r}")
+        if isinstance(self.merge_kernel_rows, bool) or not isinstance(self.merge_kernel_rows, int) \
+                or self.merge_kernel_rows < 0 or (self.merge_kernel_rows & (self.merge_kernel_rows - 1)):
+            raise ValueError("DecodeConfig: merge_kernel_rows must be 0 or a power of two, got "
+                             f"{self.merge_kernel_rows!r}")
         if self.page_lookup not in PAGE_LOOKUPS:
             raise ValueError(f"DecodeConfig: page_lookup must be one of {PAGE_LOOKUPS}, got {self.page_lookup!r}")
         if isinstance(self.page_prefetch, bool) or not isinstance(self.page_prefetch, int) \

@@ -22,7 +22,9 @@ merged in float32 in the same launch when one program's partials are small (``De
 atomic; the counters are a fresh zero buffer per call) and the one that arrives last reads the group's
 partials back from L2 in split order and writes the final output in q's dtype (deterministic: the same sums
 whichever program merges). Larger merges (Lq 16: 1 MB per group) run as one fused XLA step
-(:func:`merge_splits`), spread over the chip. A split that saw nothing has lse -inf and weight 0. With one split the
+(:func:`merge_splits`), spread over the chip, or, with ``DecodeConfig.merge_kernel_rows``, as a second Pallas
+launch (:func:`_merge_call`: one program per few rows of a group, every split; one launch where XLA's merge
+takes several). A split that saw nothing has lse -inf and weight 0. With one split the
 kernel writes the final output itself.
 
 score_mod / mask_mod run in the kernel through ``_tiles.TileMod`` (scalar semantics, captured arrays passed
@@ -88,6 +90,7 @@ class _Static:
     num_pages: int = 0
     max_pages: int = 0
     nan_guard: bool = False   # the final store writes NaN rows where kv_lens lies outside [Lq, Lmax]
+    merge_launch_rows: int = 0   # > 0: splits > 1 merged by a second launch (_merge_kernel), this many rows each
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -320,11 +323,15 @@ def _decode_call(st: _Static, q, k_cache, v_cache, kv_lens, captured, n_score_ca
         in_specs.append(pl.BlockSpec((None, 1), lambda s, g, b: (b, g)))
         aliases = {len(operands): 4}
         operands = (*operands, counter)
-    elif not final:
+    elif not final:   # partials; for the merge launch the split axis padded to whole merge steps (never written)
+        sp = splits
+        if st.merge_launch_rows:
+            sc = _merge_chunk(splits, st.merge_launch_rows, dvp)
+            sp = _cdiv(splits, sc) * sc
         out_specs = [pl.BlockSpec((None, None, None, rows, dvp), lambda s, g, b: (b, kv_head(g), s, 0, 0)),
                      pl.BlockSpec((None, None, None, rows), lambda s, g, b: (b, kv_head(g), s, 0))]
-        out_shape = [out_struct((batch, kv_heads, splits, rows, dv), jnp.float32, *operands),
-                     out_struct((batch, kv_heads, splits, rows), jnp.float32, *operands)]
+        out_shape = [out_struct((batch, kv_heads, sp, rows, dv), jnp.float32, *operands),
+                     out_struct((batch, kv_heads, sp, rows), jnp.float32, *operands)]
     kernel = functools.partial(_decode_kernel, st=st, n_score_cap=n_score_cap, groups=groups, q_len=q_len,
                                q_heads=q_heads, max_len=max_len, d=d, dv=dv)
     results = pl.pallas_call(
@@ -338,7 +345,47 @@ def _decode_call(st: _Static, q, k_cache, v_cache, kv_lens, captured, n_score_ca
         interpret=st.interpret,
         name="decode_attention",
     )(*operands)
+    if st.merge_launch_rows and not (final or fused):
+        return _merge_call(st, kv_lens, *results[:2], splits=splits, rows=rows, dv=dv, dtype=q.dtype,
+                           q_len=q_len, max_len=max_len)
     return results[:2]
+
+
+def _merge_kernel(kv_lens_ref, o_part_ref, lse_part_ref, o_ref, lse_ref, *, splits: int, rp: int, rows: int,
+                  dvp: int, dv: int, nan_guard: bool, q_len: int, max_len: int):
+    """One program of the merge launch: ``rp`` rows of one group, every split (:func:`_merge_partials`)."""
+    row0 = pl.multiple_of(pl.program_id(0) * rp, rp)
+    bad = None
+    if nan_guard:
+        bad = (kv_lens_ref[0] < q_len) | (kv_lens_ref[0] > max_len)
+    _merge_partials(o_part_ref, lse_part_ref, o_ref, lse_ref, row0, splits, rp, rows, dvp, dv, bad)
+
+
+def _merge_call(st: _Static, kv_lens, o_parts, lse_parts, *, splits: int, rows: int, dv: int, dtype, q_len: int,
+                max_len: int):
+    """The splits' partials [B, Hkv, S', rows, Dv] / [B, Hkv, S', rows] (S' >= splits: padded to whole merge
+    steps) merged by a second launch, grid (row blocks of ``st.merge_launch_rows``, Hkv, B): one launch where
+    the fused XLA merge takes several. Returns out [B, Hkv, rows, Dv] in ``dtype`` and lse [B, Hkv, rows]."""
+    batch, kv_heads, sp = o_parts.shape[:3]
+    dvp = _padded(dv)
+    rp = min(st.merge_launch_rows, pow2(rows))
+    kernel = functools.partial(_merge_kernel, splits=splits, rp=rp, rows=rows, dvp=dvp, dv=dv,
+                               nan_guard=st.nan_guard, q_len=q_len, max_len=max_len)
+    operands = (kv_lens, o_parts, lse_parts)
+    return pl.pallas_call(
+        kernel,
+        grid=(_cdiv(rows, rp), kv_heads, batch),
+        in_specs=[pl.BlockSpec((1,), lambda r, h, b: (b,)),
+                  pl.BlockSpec((None, None, sp, rows, dvp), lambda r, h, b: (b, h, 0, 0, 0)),
+                  pl.BlockSpec((None, None, sp, rows), lambda r, h, b: (b, h, 0, 0))],
+        out_specs=[pl.BlockSpec((None, None, rows, dvp), lambda r, h, b: (b, h, 0, 0)),
+                   pl.BlockSpec((None, None, rows), lambda r, h, b: (b, h, 0))],
+        out_shape=[out_struct((batch, kv_heads, rows, dv), dtype, *operands),
+                   out_struct((batch, kv_heads, rows), jnp.float32, *operands)],
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=st.interpret,
+        name="decode_merge",
+    )(*operands)
 
 
 def merge_splits(out_parts, lse_parts):
@@ -491,8 +538,9 @@ def kernel_outputs(q, k_cache, v_cache, kv_lens, *, scale: float, num_splits, sc
                    device_kind: str | None = None, block_table=None, nan_outside_lens: bool = False):
     """The kernel's launch for validated inputs (kv_lens int32 [B], scale a float, mods as TileMods,
     block_table None or int32 [B, max_pages] with paged caches): ``(out, lse, partials)``, with out
-    [B, Hkv, G * Lq, Dv] in q's dtype and lse [B, Hkv, G * Lq] when ``partials`` is False (one split, or the
-    splits merged in the kernel: ``config.merge_in_kernel_kb``), else the float32 partials
+    [B, Hkv, G * Lq, Dv] in q's dtype and lse [B, Hkv, G * Lq] when ``partials`` is False (one split, the
+    splits merged in the kernel: ``config.merge_in_kernel_kb``, or by the merge launch:
+    ``config.merge_kernel_rows``), else the float32 partials
     [B, Hkv, splits, G * Lq, Dv] and [B, Hkv, splits, G * Lq] for :func:`merge_splits`. Picks and checks the
     config and the split count. ``nan_outside_lens``: the final output's rows are NaN for batch elements whose
     kv_lens lie outside [Lq, Lmax] (the partials are not guarded: the caller's merge must do it)."""
@@ -525,11 +573,13 @@ def kernel_outputs(q, k_cache, v_cache, kv_lens, *, scale: float, num_splits, sc
     # to read back quickly (H200: docs/PERF_NOTES.md, decode "merge"); else the fused XLA merge_splits.
     merge_rows = min(block_rows, pow2(rows))
     fused = splits > 1 and splits * merge_rows * _padded(dv) * 4 <= cfg.merge_in_kernel_kb * 1024
+    launch_rows = cfg.merge_kernel_rows if splits > 1 and not fused else 0   # the second launch merges
     st = _Static(config=cfg, block_rows=block_rows, row_blocks=row_blocks, splits=splits,
                  tiles_per_split=tiles_per_split, scale=scale, score_mod=score_tm, mask_mod=mask_tm,
                  interpret=bool(interpret), merge_in_kernel=fused, merge_rows=merge_rows,
-                 nan_guard=bool(nan_outside_lens) and (fused or splits == 1), **paging)
+                 nan_guard=bool(nan_outside_lens) and (fused or splits == 1 or launch_rows > 0),
+                 merge_launch_rows=launch_rows, **paging)
     captured = tuple(jnp.asarray(c) for tm in (score_tm, mask_tm) if tm is not None for c in tm.captured)
     n_score_cap = score_tm.num_captured if score_tm is not None else 0
     out, lse = _decode_call(st, q, k_cache, v_cache, kv_lens, captured, n_score_cap, block_table)
-    return out, lse, splits > 1 and not fused
+    return out, lse, splits > 1 and not fused and not launch_rows
