@@ -126,7 +126,7 @@ MERGE_CASES = [
 def test_merges_of_the_splits(case):
     """The three merges of the splits (the last split of a group merging in the kernel, the default; a fused
     XLA step; a second Pallas launch, ``merge_kernel_rows`` rows per program, the last row block ragged where
-    the group's rows are not a multiple) against the reference and each other: several merge steps, row
+    the group's rows are not a multiple, or one program for all of them) against the reference and each other: several merge steps, row
     blocks (each its own arrival counter), splits past a sequence's end (partials with lse -inf), ragged
     kv_lens with NaN past them."""
     name, batch, hq, hkv, lq, max_len, d, splits, block_rows = case
@@ -136,7 +136,8 @@ def test_merges_of_the_splits(case):
     assert base.merge_in_kernel_kb > 0
     results = {}
     for mode, fields in (("kernel", {}), ("xla", dict(merge_in_kernel_kb=0)),
-                         ("launch", dict(merge_in_kernel_kb=0, merge_kernel_rows=2 if hq * lq // hkv % 4 else 4))):
+                         ("launch", dict(merge_in_kernel_kb=0, merge_kernel_rows=2 if hq * lq // hkv % 4 else 4)),
+                         ("launch_wide", dict(merge_in_kernel_kb=0, merge_kernel_rows=256))):   # over the rows
         cfg = dataclasses.replace(base, block_kv=16, block_rows=block_rows, **fields)
         _, _, partials = kernel_outputs(q, k, v, lens, scale=0.1, num_splits=splits, config=cfg, interpret=True)
         assert partials == (mode == "xla")    # the kernel or the second launch merged, or XLA merges the partials
@@ -145,7 +146,7 @@ def test_merges_of_the_splits(case):
             assert kernel_outputs(q, k, v, lens, scale=0.1, num_splits=splits, config=small, interpret=True)[2]
         results[mode] = _pallas(q, k, v, lens, num_splits=splits, config=cfg)
         _check(*results[mode], *_reference(q, k, v, lens), q.dtype)
-    for mode in ("xla", "launch"):
+    for mode in ("xla", "launch", "launch_wide"):
         np.testing.assert_allclose(np.asarray(results[mode][0]), np.asarray(results["kernel"][0]), rtol=1e-5,
                                    atol=1e-6)
         np.testing.assert_allclose(np.asarray(results[mode][1]), np.asarray(results["kernel"][1]), rtol=1e-5,

@@ -91,6 +91,7 @@ class _Static:
     max_pages: int = 0
     nan_guard: bool = False   # the final store writes NaN rows where kv_lens lies outside [Lq, Lmax]
     merge_launch_rows: int = 0   # > 0: splits > 1 merged by a second launch (_merge_kernel), this many rows each
+    # (the config's merge_kernel_rows, at most the group's rows rounded up to a power of two)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -198,9 +199,7 @@ def _decode_kernel(kv_lens_ref, *refs, st: _Static, n_score_cap: int, groups: in
     # A length outside [Lq, Lmax] (traced, so unchecked) gives NaN rows in the final output, never plausible
     # numbers; the value as given (int32 holds every int32 length exactly; the front end clips wider ones to
     # [-1, Lmax + 1] first).
-    bad = None
-    if st.nan_guard:
-        bad = (kv_lens_ref[0] < q_len) | (kv_lens_ref[0] > max_len)
+    bad = _outside_lens(kv_lens_ref, q_len, max_len) if st.nan_guard else None
     if not fused:
         if bad is not None:   # one split: this store is the final output
             out, lse = _nan_if(bad, out, lse)
@@ -224,6 +223,11 @@ def _decode_kernel(kv_lens_ref, *refs, st: _Static, n_score_cap: int, groups: in
     def _merge():
         _merge_partials(o_part_ref, lse_part_ref, o_ref, lse_ref, row0, st.splits, st.merge_rows, rows, dvp, dv,
                         bad)
+
+
+def _outside_lens(kv_lens_ref, q_len: int, max_len: int):
+    """Scalar bool: the program's kv_lens entry lies outside [Lq, Lmax] (NaN rows in the final store)."""
+    return (kv_lens_ref[0] < q_len) | (kv_lens_ref[0] > max_len)
 
 
 def _nan_if(bad, out, lse):
@@ -355,9 +359,7 @@ def _merge_kernel(kv_lens_ref, o_part_ref, lse_part_ref, o_ref, lse_ref, *, spli
                   dvp: int, dv: int, nan_guard: bool, q_len: int, max_len: int):
     """One program of the merge launch: ``rp`` rows of one group, every split (:func:`_merge_partials`)."""
     row0 = pl.multiple_of(pl.program_id(0) * rp, rp)
-    bad = None
-    if nan_guard:
-        bad = (kv_lens_ref[0] < q_len) | (kv_lens_ref[0] > max_len)
+    bad = _outside_lens(kv_lens_ref, q_len, max_len) if nan_guard else None
     _merge_partials(o_part_ref, lse_part_ref, o_ref, lse_ref, row0, splits, rp, rows, dvp, dv, bad)
 
 
@@ -368,7 +370,7 @@ def _merge_call(st: _Static, kv_lens, o_parts, lse_parts, *, splits: int, rows: 
     the fused XLA merge takes several. Returns out [B, Hkv, rows, Dv] in ``dtype`` and lse [B, Hkv, rows]."""
     batch, kv_heads, sp = o_parts.shape[:3]
     dvp = _padded(dv)
-    rp = min(st.merge_launch_rows, pow2(rows))
+    rp = st.merge_launch_rows
     kernel = functools.partial(_merge_kernel, splits=splits, rp=rp, rows=rows, dvp=dvp, dv=dv,
                                nan_guard=st.nan_guard, q_len=q_len, max_len=max_len)
     operands = (kv_lens, o_parts, lse_parts)
@@ -573,7 +575,7 @@ def kernel_outputs(q, k_cache, v_cache, kv_lens, *, scale: float, num_splits, sc
     # to read back quickly (H200: docs/PERF_NOTES.md, decode "merge"); else the fused XLA merge_splits.
     merge_rows = min(block_rows, pow2(rows))
     fused = splits > 1 and splits * merge_rows * _padded(dv) * 4 <= cfg.merge_in_kernel_kb * 1024
-    launch_rows = cfg.merge_kernel_rows if splits > 1 and not fused else 0   # the second launch merges
+    launch_rows = min(cfg.merge_kernel_rows, pow2(rows)) if splits > 1 and not fused else 0   # second launch merges
     st = _Static(config=cfg, block_rows=block_rows, row_blocks=row_blocks, splits=splits,
                  tiles_per_split=tiles_per_split, scale=scale, score_mod=score_tm, mask_mod=mask_tm,
                  interpret=bool(interpret), merge_in_kernel=fused, merge_rows=merge_rows,
