@@ -157,6 +157,12 @@ def test_merges_of_the_splits(case):
         stacked = jax.vmap(one)(jnp.stack([q, -0.5 * q]))
         np.testing.assert_allclose(np.asarray(stacked[0]), np.asarray(results["kernel"][0]), rtol=1e-6, atol=1e-6)
         np.testing.assert_allclose(np.asarray(stacked[1]), np.asarray(one(-0.5 * q)), rtol=1e-6, atol=1e-6)
+        # the merge launch mapped: both launches get the mapped axis, each call's partials its own
+        launch = dataclasses.replace(cfg, merge_in_kernel_kb=0, merge_kernel_rows=4)
+        mapped = jax.vmap(lambda q: _pallas(q, k, v, lens, num_splits=splits, config=launch)[0])(
+            jnp.stack([-0.5 * q, q]))
+        np.testing.assert_allclose(np.asarray(mapped[0]), np.asarray(stacked[1]), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(mapped[1]), np.asarray(results["kernel"][0]), rtol=1e-5, atol=1e-6)
         with jax.enable_x64(True):   # int64 kv_lens; the counters and index arithmetic stay int32
             x64 = jax.jit(lambda q, lens: _pallas(q, k, v, lens, num_splits=splits, config=cfg))(q, lens.astype(jnp.int64))
         _check(*x64, *_reference(q, k, v, lens), q.dtype)
