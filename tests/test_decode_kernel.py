@@ -126,9 +126,9 @@ MERGE_CASES = [
 def test_merges_of_the_splits(case):
     """The three merges of the splits (the last split of a group merging in the kernel, the default; a fused
     XLA step; a second Pallas launch, ``merge_kernel_rows`` rows per program, the last row block ragged where
-    the group's rows are not a multiple, or one program for all of them) against the reference and each other: several merge steps, row
-    blocks (each its own arrival counter), splits past a sequence's end (partials with lse -inf), ragged
-    kv_lens with NaN past them."""
+    the group's rows are not a multiple, or one program for all of them) against the reference and each
+    other: several merge steps, row blocks (each its own arrival counter), splits past a sequence's end
+    (partials with lse -inf), ragged kv_lens with NaN past them."""
     name, batch, hq, hkv, lq, max_len, d, splits, block_rows = case
     lens = [max_len, lq + 20][:batch]      # most of the second sequence's splits see nothing
     q, k, v, lens = _inputs(sum(map(ord, name)), batch, hq, hkv, lq, max_len, d, kv_lens=lens)
@@ -153,14 +153,13 @@ def test_merges_of_the_splits(case):
                                    atol=1e-6)
     if name == MERGE_CASES[0][0]:   # vmap adds a grid axis: each mapped call gets its own counters
         cfg = dataclasses.replace(base, block_kv=16, block_rows=block_rows)
-        one = lambda q: _pallas(q, k, v, lens, num_splits=splits, config=cfg)[0]  # noqa: E731
+        one = lambda q, c=cfg: _pallas(q, k, v, lens, num_splits=splits, config=c)[0]  # noqa: E731
         stacked = jax.vmap(one)(jnp.stack([q, -0.5 * q]))
         np.testing.assert_allclose(np.asarray(stacked[0]), np.asarray(results["kernel"][0]), rtol=1e-6, atol=1e-6)
         np.testing.assert_allclose(np.asarray(stacked[1]), np.asarray(one(-0.5 * q)), rtol=1e-6, atol=1e-6)
         # the merge launch mapped: both launches get the mapped axis, each call's partials its own
         launch = dataclasses.replace(cfg, merge_in_kernel_kb=0, merge_kernel_rows=4)
-        mapped = jax.vmap(lambda q: _pallas(q, k, v, lens, num_splits=splits, config=launch)[0])(
-            jnp.stack([-0.5 * q, q]))
+        mapped = jax.vmap(lambda q: one(q, launch))(jnp.stack([-0.5 * q, q]))
         np.testing.assert_allclose(np.asarray(mapped[0]), np.asarray(stacked[1]), rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(np.asarray(mapped[1]), np.asarray(results["kernel"][0]), rtol=1e-5, atol=1e-6)
         with jax.enable_x64(True):   # int64 kv_lens; the counters and index arithmetic stay int32
